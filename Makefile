@@ -1,0 +1,69 @@
+# dattn quick start: `make run` and `make test` work on a fresh Debian machine.
+# They install the Debian packages that are missing, configure, build, then run.
+
+PRESET ?= release
+BUILD := build/$(PRESET)
+PREFIX ?= $(CURDIR)/out/install
+DATTN := build/release/tools/dattn/dattn
+
+# What the build needs from Debian (libgomp, OpenMP's runtime, comes with g++).
+DEBIAN_PACKAGES := cmake ninja-build g++ make pkg-config clang-format \
+  libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libdlpack-dev
+
+.PHONY: deps configure build run test asan format format-check install install-check clean
+
+deps:
+	@missing=""; \
+	for p in $(DEBIAN_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "dattn: installing Debian packages:$$missing"; \
+	  sudo=""; [ "$$(id -u)" -ne 0 ] && sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(BUILD)/build.ninja:
+	cmake --preset $(PRESET)
+
+configure: deps $(BUILD)/build.ninja
+
+build: configure
+	cmake --build --preset $(PRESET)
+
+run: build
+	$(BUILD)/tools/dattn/dattn run
+
+test: build
+	ctest --preset $(PRESET)
+
+# The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer.
+asan:
+	$(MAKE) test PRESET=asan
+
+format:
+	git ls-files '*.cpp' '*.hpp' | xargs clang-format -i
+
+format-check: deps
+	git ls-files '*.cpp' '*.hpp' | xargs clang-format --dry-run --Werror
+
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
+
+# Installs into a scratch prefix and builds examples/consumer against it, once through
+# find_package(dattn) and once through pkg-config.
+install-check:
+	rm -rf out/install-check
+	$(MAKE) install PREFIX=$(CURDIR)/out/install-check/prefix
+	cmake -S examples/consumer -B out/install-check/cmake -G Ninja \
+	  -DCMAKE_PREFIX_PATH=$(CURDIR)/out/install-check/prefix
+	cmake --build out/install-check/cmake
+	out/install-check/cmake/consumer
+	PKG_CONFIG_PATH=$(CURDIR)/out/install-check/prefix/lib/pkgconfig \
+	  sh -c 'g++ -std=c++20 examples/consumer/main.cpp $$(pkg-config --cflags --libs dattn) \
+	    -Wl,-rpath,$(CURDIR)/out/install-check/prefix/lib -o out/install-check/consumer-pc'
+	out/install-check/consumer-pc
+
+clean:
+	rm -rf build out

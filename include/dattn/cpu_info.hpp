@@ -1,0 +1,42 @@
+// CPU feature detection and the machine's measured peak arithmetic rate.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dattn {
+
+// What the CPU offers and the operating system has enabled. A flag is true only when both hold
+// (the AVX-512 and AMX flags also need the OS to save their registers, checked through XCR0).
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512bw = false, avx512vl = false,
+       avx512_bf16 = false, avx512_vnni = false, avx512_fp16 = false, amx_tile = false,
+       amx_bf16 = false, neon = false;
+  std::string vendor;    // cpuid vendor string ("GenuineIntel", "AuthenticAMD"); may be empty
+  std::string brand;     // cpuid brand string ("AMD EPYC 7763 64-Core Processor"); may be empty
+  int logical_cpus = 0;  // logical CPUs available (at least 1)
+
+  // The names of the flags that are true, lower-case, in declaration order
+  // (e.g. {"avx2", "fma", "f16c"}); the x86 names match the Linux /proc/cpuinfo flags.
+  std::vector<std::string> names() const;
+};
+
+// Detected once, on first use (thread-safe).
+const CpuFeatures& cpu_features();
+
+struct PeakGflops {
+  double f32_fma = 0;              // f32 FMA GFLOP/s over `threads` threads (2 flops per lane)
+  std::optional<double> bf16_dot;  // vdpbf16ps GFLOP/s (2 flops per bf16 pair), if avx512_bf16
+  int threads = 1;                 // threads that actually ran
+  std::string isa;                 // ISA used for f32: "avx512f", "avx2+fma", "neon" or "scalar"
+};
+
+// Measures the machine's peak with a register-resident loop of independent FMA chains, run on
+// `threads` OpenMP threads at once, best of a few short trials, about `seconds` in total.
+// threads <= 0 means cpu_features().logical_cpus. The result is cached per thread count for the
+// life of the process: later calls with the same count return it without measuring again (and
+// ignore `seconds`). Thread-safe; concurrent calls are serialised so they don't disturb each other.
+PeakGflops measure_peak_gflops(int threads, double seconds = 0.2);
+
+}  // namespace dattn

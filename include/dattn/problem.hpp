@@ -1,0 +1,109 @@
+// The trusted parameter struct: one attention call after validation, with every metadata form
+// (global starts, query ranges, cu_seqlens, [real, pad] packing, packed padding,
+// valid_kv_length, joint tokens) resolved into row segments. Backends and kernels trust it.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dattn/metadata.hpp"
+#include "dattn/tensor.hpp"
+
+namespace dattn {
+
+// Features a call uses that a backend must claim (SPEC §11: "flags must be true").
+enum class Feature : std::uint32_t {
+  attention_mask = 1u << 0,           // any attn_mask that is read
+  multi_doc_packed_varlen = 1u << 1,  // more than one real packed document
+  packed_mask_free = 1u << 2,         // packed_padding used without a mask
+  prefix_kv_slicing = 1u << 3,        // extra.valid_kv_length
+  piecewise_spans = 1u << 4,          // full_attn_spans
+  paged_kv = 1u << 5,                 // forward_paged
+  lse_output = 1u << 6,               // always supported; recorded for reports
+};
+std::string_view feature_name(Feature f);  // the seed's flag name, e.g. "supports_paged_kv"
+
+class FeatureSet {
+ public:
+  void add(Feature f) { bits_ |= static_cast<std::uint32_t>(f); }
+  bool has(Feature f) const { return (bits_ & static_cast<std::uint32_t>(f)) != 0; }
+  std::vector<Feature> list() const;
+  std::string to_string() const;
+
+ private:
+  std::uint32_t bits_ = 0;
+};
+
+// How keys are restricted by position.
+enum class PositionRule : std::uint8_t {
+  full,       // no positional restriction
+  causal,     // key visible iff pos(key) <= pos(query)
+  piecewise,  // causal, and rows inside a full span [a, e) see every key < e (SPEC §7)
+};
+
+// The kind of dense mask a call carries. Layout contract of MaskView::view:
+//  keep_keys:  bool [B, Skv]                      (key padding)
+//  keep_dense: bool [B, Hq, Sq, Skv]              (size-1 dims broadcast with stride 0)
+//  additive:   f32/bf16/f16 [B, Hq, Sq, Skv]      (added to the scaled logits; -inf hides)
+enum class MaskKind : std::uint8_t { none, keep_keys, keep_dense, additive };
+struct MaskView {
+  MaskKind kind = MaskKind::none;
+  TensorView view;
+};
+
+// A run of query rows [q_begin, q_end) of one batch item that see keys [k_begin, k_end).
+// Positions are linear: row i is at q_pos0 + (i - q_begin), key j at k_pos0 + (j - k_begin).
+// Query rows that belong to no segment are padding: output 0, LSE -inf.
+struct Segment {
+  std::int64_t batch = 0;
+  std::int64_t q_begin = 0, q_end = 0;
+  std::int64_t k_begin = 0, k_end = 0;
+  std::int64_t q_pos0 = 0, k_pos0 = 0;
+  bool operator==(const Segment&) const = default;
+};
+
+struct AttentionProblem {
+  // Shapes. Q [B, Sq, Hq, D], K [B, Skv, Hkv, D], V [B, Skv, Hkv, Dv], out [B, Sq, Hq, Dv],
+  // lse f32 [B, Hq, Sq]; all strided views, whatever layout the caller used.
+  std::int64_t batch = 0, sq = 0, skv = 0, hq = 0, hkv = 0, d = 0, dv = 0;
+  TensorView q, k, v, out;
+  std::optional<TensorView> lse;
+
+  double softmax_scale = 1.0;
+  PositionRule position_rule = PositionRule::full;
+  std::vector<std::pair<std::int64_t, std::int64_t>> full_spans;  // sorted, for piecewise
+  MaskView mask;
+  // Self-attention with a key-padding mask: a query row whose own key position is masked out
+  // outputs zero (SPEC §3).
+  bool zero_masked_query_rows = false;
+  std::vector<Segment> segments;   // sorted by (batch, q_begin), disjoint in query rows
+  double laser_input_scale = 1.0;  // 1 = off
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::unquantized;
+  const BackendOptions* backend_options = nullptr;  // opaque per-backend slot; may be null
+  FeatureSet features;
+  // Identifies shapes and metadata structure; a plan runs only on problems with its signature.
+  std::uint64_t signature = 0;
+
+  std::int64_t group_size() const { return hkv > 0 ? hq / hkv : 1; }
+  // One past the largest key position a query at `pos_q` may see (numeric_limits max = all).
+  std::int64_t key_position_limit(std::int64_t pos_q) const {
+    switch (position_rule) {
+      case PositionRule::full:
+        return std::numeric_limits<std::int64_t>::max();
+      case PositionRule::causal:
+        return pos_q + 1;
+      case PositionRule::piecewise:
+        for (const auto& [a, e] : full_spans)
+          if (pos_q >= a && pos_q < e) return e;
+        return pos_q + 1;
+    }
+    return pos_q + 1;
+  }
+  std::string describe() const;
+};
+
+}  // namespace dattn

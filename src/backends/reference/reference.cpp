@@ -1,0 +1,324 @@
+#include "backends/reference/reference.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <variant>
+#include <vector>
+
+#include "core/kv_quant.hpp"
+#include "dattn/errors.hpp"
+
+namespace dattn {
+
+namespace {
+
+using i64 = std::int64_t;
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+class ReferencePlan final : public Plan {
+ public:
+  using Plan::Plan;
+  std::string to_string() const override {
+    return "REFERENCE plan: scalar loops, f64 accumulation, one query row at a time";
+  }
+};
+
+// Reads element (b, s, h, e) of a [B, S, H, E] view as f64.
+double at4(const TensorView& t, i64 b, i64 s, i64 h, i64 e) {
+  return load_as_f32(t.data(), t.dtype(),
+                     b * t.stride(0) + s * t.stride(1) + h * t.stride(2) + e * t.stride(3));
+}
+
+// The row loop shared by dense and paged calls. `k`/`v` are [B, Skv, Hkv, D|Dv] views (the
+// problem's own or dequantized copies).
+class RowComputer {
+ public:
+  RowComputer(const AttentionProblem& p, const TensorView& k, const TensorView& v)
+      : p_(p), k_(k), v_(v), f_(p.laser_input_scale) {
+    scale_ = p.softmax_scale * f_ * f_;
+    qrow_.resize(std::size_t(p.d));
+    logits_.resize(std::size_t(std::max<i64>(p.skv, 0)));
+    acc_.resize(std::size_t(p.dv));
+  }
+
+  // Computes query row `i` of batch item `b` for every head.
+  void compute(i64 b, i64 i) {
+    const Segment* seg = find_segment(b, i);
+    const bool padded = seg == nullptr || (p_.zero_masked_query_rows && !key_kept(b, i));
+    for (i64 h = 0; h < p_.hq; ++h) {
+      if (padded) {
+        write(b, i, h, nullptr, 0.0, kNegInf);
+        continue;
+      }
+      head(*seg, b, i, h);
+    }
+  }
+
+ private:
+  const Segment* find_segment(i64 b, i64 i) const {
+    const auto it = std::upper_bound(p_.segments.begin(), p_.segments.end(), std::pair{b, i},
+                                     [](const std::pair<i64, i64>& key, const Segment& s) {
+                                       return key.first < s.batch ||
+                                              (key.first == s.batch && key.second < s.q_begin);
+                                     });
+    if (it == p_.segments.begin()) return nullptr;
+    const Segment& s = *(it - 1);
+    return (s.batch == b && i >= s.q_begin && i < s.q_end) ? &s : nullptr;
+  }
+
+  bool key_kept(i64 b, i64 j) const {
+    const TensorView& m = p_.mask.view;
+    return static_cast<const std::uint8_t*>(m.data())[b * m.stride(0) + j * m.stride(1)] != 0;
+  }
+
+  // Additive bias of (b, h, i, j), or -inf when the mask hides the key.
+  double mask_bias(i64 b, i64 h, i64 i, i64 j) const {
+    const TensorView& m = p_.mask.view;
+    switch (p_.mask.kind) {
+      case MaskKind::none:
+        return 0.0;
+      case MaskKind::keep_keys:
+        return key_kept(b, j) ? 0.0 : kNegInf;
+      case MaskKind::keep_dense:
+      case MaskKind::additive: {
+        const i64 off = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j * m.stride(3);
+        if (p_.mask.kind == MaskKind::keep_dense)
+          return static_cast<const std::uint8_t*>(m.data())[off] != 0 ? 0.0 : kNegInf;
+        return load_as_f32(m.data(), m.dtype(), off);
+      }
+    }
+    return 0.0;
+  }
+
+  void head(const Segment& seg, i64 b, i64 i, i64 h) {
+    const i64 hk = h / p_.group_size();
+    for (i64 e = 0; e < p_.d; ++e) qrow_[std::size_t(e)] = at4(p_.q, b, i, h, e) / f_;
+    const i64 pos_q = seg.q_pos0 + (i - seg.q_begin);
+    const i64 limit = p_.key_position_limit(pos_q);
+    double m = kNegInf;
+    for (i64 j = seg.k_begin; j < seg.k_end; ++j) {
+      double& s = logits_[std::size_t(j)];
+      s = kNegInf;
+      if (seg.k_pos0 + (j - seg.k_begin) >= limit) continue;
+      const double bias = mask_bias(b, h, i, j);
+      if (bias == kNegInf) continue;
+      double dot = 0.0;
+      for (i64 e = 0; e < p_.d; ++e) dot += qrow_[std::size_t(e)] * (at4(k_, b, j, hk, e) / f_);
+      s = scale_ * dot + bias;
+      m = std::max(m, s);
+    }
+    if (m == kNegInf) {  // no visible key
+      write(b, i, h, nullptr, 0.0, kNegInf);
+      return;
+    }
+    std::fill(acc_.begin(), acc_.end(), 0.0);
+    double sum = 0.0;
+    for (i64 j = seg.k_begin; j < seg.k_end; ++j) {
+      const double s = logits_[std::size_t(j)];
+      if (s == kNegInf) continue;
+      const double w = std::exp(s - m);
+      sum += w;
+      for (i64 e = 0; e < p_.dv; ++e) acc_[std::size_t(e)] += w * (at4(v_, b, j, hk, e) / f_);
+    }
+    write(b, i, h, acc_.data(), f_ / sum, m + std::log(sum));
+  }
+
+  // Writes out[b, i, h, :] = acc * factor (zeros when acc is null) and the LSE.
+  void write(i64 b, i64 i, i64 h, const double* acc, double factor, double lse) {
+    const TensorView& o = p_.out;
+    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
+    for (i64 e = 0; e < p_.dv; ++e)
+      store_from_f32(o.data(), o.dtype(), base + e * o.stride(3),
+                     acc ? static_cast<float>(acc[e] * factor) : 0.0f);
+    if (p_.lse) {
+      const TensorView& l = *p_.lse;
+      static_cast<float*>(l.data())[b * l.stride(0) + h * l.stride(1) + i * l.stride(2)] =
+          static_cast<float>(lse);
+    }
+  }
+
+  const AttentionProblem& p_;
+  const TensorView& k_;
+  const TensorView& v_;
+  double f_;
+  double scale_;
+  std::vector<double> qrow_, logits_, acc_;
+};
+
+// Query rows to compute: all, or the "reference_rows" option.
+std::vector<i64> rows_to_compute(const AttentionProblem& p) {
+  std::vector<i64> rows;
+  if (p.backend_options) {
+    if (const auto it = p.backend_options->find("reference_rows"); it != p.backend_options->end()) {
+      const TensorView* t = std::get_if<TensorView>(&it->second);
+      if (t == nullptr || t->dtype() != DType::I32 || t->ndim() != 1 ||
+          t->platform() != Platform::cpu)
+        throw InvalidArgument("reference_rows", "reference_rows must be a 1-D i32 cpu tensor");
+      for (i64 n = 0; n < t->size(0); ++n) {
+        const i64 r = static_cast<const std::int32_t*>(t->data())[n * t->stride(0)];
+        if (r < 0 || r >= p.sq)
+          throw InvalidArgument("reference_rows", "reference_rows: row " + std::to_string(r) +
+                                                      " is outside [0, " + std::to_string(p.sq) +
+                                                      ")");
+        rows.push_back(r);
+      }
+      return rows;
+    }
+  }
+  rows.resize(std::size_t(p.sq));
+  for (i64 i = 0; i < p.sq; ++i) rows[std::size_t(i)] = i;
+  return rows;
+}
+
+void compute_problem(const AttentionProblem& p) {
+  const std::vector<i64> rows = rows_to_compute(p);
+  Tensor kq, vq;
+  TensorView k = p.k, v = p.v;
+  if (p.kv_cache_dtype != KvCacheDtype::unquantized) {
+    kq = Tensor::empty(p.k.shape(), DType::F32);
+    vq = Tensor::empty(p.v.shape(), DType::F32);
+    detail::quantize_dequantize_kv(p.k, p.kv_cache_dtype, kq.view());
+    detail::quantize_dequantize_kv(p.v, p.kv_cache_dtype, vq.view());
+    k = kq.view();
+    v = vq.view();
+  }
+  RowComputer rc(p, k, v);
+  for (i64 b = 0; b < p.batch; ++b)
+    for (i64 i : rows) rc.compute(b, i);
+}
+
+// [T, H, E] rows [t0, t0 + n) as a [1, n, H, E] view.
+TensorView rows_as_batch(const TensorView& t, i64 t0, i64 n) {
+  const TensorView s = t.sliced(0, t0, n);
+  const std::array<i64, 4> shape{1, n, s.size(1), s.size(2)};
+  const std::array<i64, 4> strides{0, s.stride(0), s.stride(1), s.stride(2)};
+  return TensorView(s.data(), s.dtype(), shape, strides, s.platform());
+}
+
+class ReferenceImpl final : public Impl {
+ public:
+  using Impl::Impl;
+
+  std::map<Platform, std::vector<KvCacheDtype>> supported_kv_cache_dtypes() const override {
+    return {{Platform::cpu, {KvCacheDtype::fp8, KvCacheDtype::int8}}};
+  }
+
+  std::unique_ptr<Plan> plan(const AttentionProblem& problem) const override {
+    return std::make_unique<ReferencePlan>(problem.signature);
+  }
+
+  void forward_paged(const PagedAttentionCall& call) const override {
+    const ImplConfig& c = config();
+    validate_paged_call(call, c.num_heads, c.num_kv_heads, c.head_size);
+    if (call.q.platform() != Platform::cpu) no_platform(call.q.platform());
+    const TensorView& kp = call.cache.k_pages;
+    const TensorView& vp = call.cache.v_pages;
+    const i64 bs = kp.size(1), hkv = kp.size(2), d = kp.size(3), dv = vp.size(3);
+    const auto page_off = [](const TensorView& t, i64 slot, i64 h, i64 e) {
+      const i64 bsz = t.size(1);
+      return (slot / bsz) * t.stride(0) + (slot % bsz) * t.stride(1) + h * t.stride(2) +
+             e * t.stride(3);
+    };
+    // 1. write the rows' new K/V into their slots.
+    i64 t0 = 0;
+    for (const PagedRow& r : call.rows) {
+      for (i64 n = 0; n < r.query_len; ++n) {
+        const i64 slot = paged_slot(r.block_table, bs, r.kv_start_pos + n);
+        const i64 t = t0 + n;
+        for (i64 h = 0; h < hkv; ++h) {
+          for (i64 e = 0; e < d; ++e)
+            store_from_f32(kp.data(), kp.dtype(), page_off(kp, slot, h, e),
+                           load_as_f32(call.k_new.data(), call.k_new.dtype(),
+                                       t * call.k_new.stride(0) + h * call.k_new.stride(1) +
+                                           e * call.k_new.stride(2)));
+          for (i64 e = 0; e < dv; ++e)
+            store_from_f32(vp.data(), vp.dtype(), page_off(vp, slot, h, e),
+                           load_as_f32(call.v_new.data(), call.v_new.dtype(),
+                                       t * call.v_new.stride(0) + h * call.v_new.stride(1) +
+                                           e * call.v_new.stride(2)));
+        }
+      }
+      t0 += r.query_len;
+    }
+    // 2. each row attends keys [0, seq_len) gathered through its table.
+    t0 = 0;
+    for (const PagedRow& r : call.rows) {
+      Tensor kg = Tensor::empty({1, r.seq_len, hkv, d}, DType::F32);
+      Tensor vg = Tensor::empty({1, r.seq_len, hkv, dv}, DType::F32);
+      for (i64 pos = 0; pos < r.seq_len; ++pos) {
+        const i64 slot = paged_slot(r.block_table, bs, pos);
+        for (i64 h = 0; h < hkv; ++h) {
+          for (i64 e = 0; e < d; ++e)
+            kg.data_as<float>()[(pos * hkv + h) * d + e] =
+                load_as_f32(kp.data(), kp.dtype(), page_off(kp, slot, h, e));
+          for (i64 e = 0; e < dv; ++e)
+            vg.data_as<float>()[(pos * hkv + h) * dv + e] =
+                load_as_f32(vp.data(), vp.dtype(), page_off(vp, slot, h, e));
+        }
+      }
+      AttentionProblem p;
+      p.batch = 1;
+      p.sq = r.query_len;
+      p.skv = r.seq_len;
+      p.hq = c.num_heads;
+      p.hkv = hkv;
+      p.d = d;
+      p.dv = dv;
+      p.q = rows_as_batch(call.q, t0, r.query_len);
+      p.k = kg.view();
+      p.v = vg.view();
+      p.out = rows_as_batch(call.out, t0, r.query_len);
+      if (call.lse) {
+        const TensorView l = call.lse->sliced(1, t0, r.query_len);
+        const std::array<i64, 3> shape{1, l.size(0), l.size(1)};
+        const std::array<i64, 3> strides{0, l.stride(0), l.stride(1)};
+        p.lse = TensorView(l.data(), l.dtype(), shape, strides);
+      }
+      p.softmax_scale = call.softmax_scale;
+      p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
+      if (r.query_len > 0)
+        p.segments.push_back({0, 0, r.query_len, 0, r.seq_len, r.seq_len - r.query_len, 0});
+      RowComputer rc(p, p.k, p.v);
+      for (i64 i = 0; i < p.sq; ++i) rc.compute(0, i);
+      t0 += r.query_len;
+    }
+  }
+
+ protected:
+  void run_cpu(const Plan&, const AttentionProblem& problem) const override {
+    compute_problem(problem);
+  }
+};
+
+class ReferenceBackend final : public Backend {
+ public:
+  std::string name() const override { return "REFERENCE"; }
+  std::string description() const override {
+    return "the oracle: plain loops accumulating in f64, every feature; slow on purpose";
+  }
+  int priority() const override { return 0; }  // automatic choice takes it last
+  bool accept_output_buffer() const override { return true; }
+  bool supports_piecewise_spans() const override { return true; }
+  bool supports_paged_kv() const override { return true; }
+  bool supports_prefix_kv_slicing() const override { return true; }
+  bool supports_packed_mask_free() const override { return true; }
+  bool supports_multi_doc_packed_varlen() const override { return true; }
+  std::optional<std::vector<Platform>> supported_platforms() const override {
+    return std::vector<Platform>{Platform::cpu};
+  }
+  bool supports_attention_mask(const BackendOptions*) const override { return true; }
+  bool indexes_kv_by_block_stride() const override { return true; }
+  std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
+    return std::make_unique<ReferenceImpl>(*this, config);
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<const Backend> make_reference_backend() {
+  return std::make_shared<ReferenceBackend>();
+}
+
+}  // namespace dattn

@@ -1,0 +1,294 @@
+// Measured peak arithmetic rate: independent FMA chains that live in registers, run on every
+// requested thread at once. Each ISA's loop is compiled with a function target attribute so the
+// file needs no -march flags, and is only called when cpu_features() reports the ISA.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dattn/cpu_info.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace dattn {
+
+namespace {
+
+// Each loop runs `iters` iterations of kChains independent FMA chains and returns a checksum of
+// the accumulators, which the caller stores to a volatile: the work can't be optimised away.
+// acc = acc * m + c with m just below 1 converges to c / (1 - m), so values stay normal (no
+// overflow, no denormal slow paths) however long it runs.
+constexpr int kChains = 12;  // covers latency 4-6 x 2 pipes on current x86 cores
+constexpr float kMul = 0.99999f;
+constexpr float kAdd = 1e-3f;
+
+using Kernel = float (*)(long long iters, float seed);
+
+// Repeats a statement for chains 0..11 (explicit, so the accumulators stay in registers).
+#define DATTN_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+#if defined(__x86_64__)
+
+__attribute__((target("avx2,fma"))) float fma_avx2(long long iters, float seed) {
+  const __m256 m = _mm256_set1_ps(kMul);
+  const __m256 c = _mm256_set1_ps(kAdd);
+#define DATTN_INIT(k) __m256 a##k = _mm256_set1_ps(seed + static_cast<float>(k));
+#define DATTN_STEP(k) a##k = _mm256_fmadd_ps(a##k, m, c);
+#define DATTN_SUM(k) s = _mm256_add_ps(s, a##k);
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  __m256 s = _mm256_setzero_ps();
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, s);
+  float total = 0;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+// Horizontal sum through memory (GCC 12's _mm512_reduce_add_ps trips -Wuninitialized).
+__attribute__((target("avx512f"))) float sum_lanes(__m512 v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  float total = 0;
+  for (float x : lanes) total += x;
+  return total;
+}
+
+__attribute__((target("avx512f"))) float fma_avx512(long long iters, float seed) {
+  const __m512 m = _mm512_set1_ps(kMul);
+  const __m512 c = _mm512_set1_ps(kAdd);
+#define DATTN_INIT(k) __m512 a##k = _mm512_set1_ps(seed + static_cast<float>(k));
+#define DATTN_STEP(k) a##k = _mm512_fmadd_ps(a##k, m, c);
+#define DATTN_SUM(k) s = _mm512_add_ps(s, a##k);
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  __m512 s = _mm512_setzero_ps();
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  return sum_lanes(s);
+}
+
+// vdpbf16ps: acc += a[2i] * b[2i] + a[2i+1] * b[2i+1] per f32 lane. The pairs are (x, -x) x (y, y),
+// which cancel exactly, so the accumulators stay at their start values.
+__attribute__((target("avx512bf16,avx512f"))) float dot_avx512bf16(long long iters, float seed) {
+  const __m512 alt = _mm512_setr_ps(0.5f, -0.5f, 0.5f, -0.5f, 0.5f, -0.5f, 0.5f, -0.5f, 0.5f, -0.5f,
+                                    0.5f, -0.5f, 0.5f, -0.5f, 0.5f, -0.5f);
+  const __m512bh x = _mm512_cvtne2ps_pbh(alt, alt);
+  const __m512bh y = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.25f), _mm512_set1_ps(0.25f));
+#define DATTN_INIT(k) __m512 a##k = _mm512_set1_ps(seed + static_cast<float>(k));
+#define DATTN_STEP(k) a##k = _mm512_dpbf16_ps(a##k, x, y);
+#define DATTN_SUM(k) s = _mm512_add_ps(s, a##k);
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  __m512 s = _mm512_setzero_ps();
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  return sum_lanes(s);
+}
+
+#endif  // __x86_64__
+
+#if defined(__aarch64__)
+
+float fma_neon(long long iters, float seed) {
+  const float32x4_t m = vdupq_n_f32(kMul);
+  const float32x4_t c = vdupq_n_f32(kAdd);
+#define DATTN_INIT(k) float32x4_t a##k = vdupq_n_f32(seed + static_cast<float>(k));
+#define DATTN_STEP(k) a##k = vfmaq_f32(c, a##k, m);
+#define DATTN_SUM(k) s = vaddq_f32(s, a##k);
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  float32x4_t s = vdupq_n_f32(0.0f);
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  return vaddvq_f32(s);
+}
+
+#endif  // __aarch64__
+
+// Portable fallback: a multiply and an add per chain step (2 flops, fused or not).
+float fma_scalar(long long iters, float seed) {
+#define DATTN_INIT(k) float a##k = seed + static_cast<float>(k);
+#define DATTN_STEP(k) a##k = a##k * kMul + kAdd;
+#define DATTN_SUM(k) s += a##k;
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  float s = 0;
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  return s;
+}
+
+#undef DATTN_CHAINS
+
+volatile float g_sink = 0;  // checksums land here so the loops can't be removed
+volatile float g_seed = 1.0f;
+
+using Clock = std::chrono::steady_clock;
+
+struct Run {
+  double gflops = 0;   // sum over threads of each thread's own rate
+  double seconds = 0;  // the slowest thread's time
+  int threads = 1;     // threads that actually ran
+};
+
+// Runs `fn` on `threads` threads at once. Each thread times its own loop, so time a thread
+// spends waiting for the others (or descheduled before it starts) does not count against the
+// machine's rate; the rates of the threads add up.
+Run run_parallel(Kernel fn, long long iters, int threads, double flops_per_iter) {
+  const float seed = g_seed;
+  std::vector<double> seconds(static_cast<std::size_t>(std::max(threads, 1)), 0.0);
+  int team = 1;
+  float sum = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : sum)
+  {
+#pragma omp barrier
+    const Clock::time_point t0 = Clock::now();
+    sum += fn(iters, seed);
+    const Clock::time_point t1 = Clock::now();
+    const auto me = static_cast<std::size_t>(omp_get_thread_num());
+    if (me < seconds.size()) seconds[me] = std::chrono::duration<double>(t1 - t0).count();
+    if (me == 0) team = omp_get_num_threads();
+  }
+#else
+  (void)threads;
+  const Clock::time_point t0 = Clock::now();
+  sum = fn(iters, seed);
+  seconds[0] = std::chrono::duration<double>(Clock::now() - t0).count();
+#endif
+  g_sink = sum;
+  Run run;
+  run.threads = team;
+  for (int t = 0; t < team && t < static_cast<int>(seconds.size()); ++t) {
+    const double sec = seconds[static_cast<std::size_t>(t)];
+    run.seconds = std::max(run.seconds, sec);
+    if (sec > 0) run.gflops += flops_per_iter * static_cast<double>(iters) / sec * 1e-9;
+  }
+  return run;
+}
+
+struct Rate {
+  double gflops = 0;
+  int threads = 1;
+};
+
+// Best rate of a few trials lasting about `seconds` in all. `flops_per_iter` is per thread.
+Rate measure(Kernel fn, double flops_per_iter, int threads, double seconds) {
+  constexpr int kTrials = 5;
+  // Calibrate on one thread: grow the count until a run is long enough to time (this also
+  // warms the core up).
+  long long iters = 1024;
+  Run run = run_parallel(fn, iters, 1, flops_per_iter);
+  const double min_calibration = std::min(2e-3, seconds / (4 * kTrials));
+  while (run.seconds < min_calibration && iters < (1LL << 40)) {
+    iters *= 4;
+    run = run_parallel(fn, iters, 1, flops_per_iter);
+  }
+  // Size the trials from the calibration run.
+  const double per_iter = run.seconds > 0 ? run.seconds / static_cast<double>(iters) : 1e-9;
+  const double trial_seconds = seconds / kTrials;
+  const long long trial_iters = std::clamp(static_cast<long long>(trial_seconds / per_iter), 1024LL,
+                                           static_cast<long long>(1LL << 40));
+  Rate best;
+  for (int t = 0; t < kTrials; ++t) {
+    run = run_parallel(fn, trial_iters, threads, flops_per_iter);
+    if (run.gflops > best.gflops) {
+      best.gflops = run.gflops;
+      best.threads = run.threads;
+    }
+  }
+  return best;
+}
+
+PeakGflops measure_uncached(int threads, double seconds) {
+  const CpuFeatures& f = cpu_features();
+  PeakGflops out;
+  Kernel f32 = fma_scalar;
+  int lanes = 1;
+  out.isa = "scalar";
+  bool bf16 = false;
+#if defined(__x86_64__)
+  if (f.avx512f) {
+    f32 = fma_avx512;
+    lanes = 16;
+    out.isa = "avx512f";
+  } else if (f.avx2 && f.fma) {
+    f32 = fma_avx2;
+    lanes = 8;
+    out.isa = "avx2+fma";
+  }
+  bf16 = f.avx512_bf16;
+#elif defined(__aarch64__)
+  if (f.neon) {
+    f32 = fma_neon;
+    lanes = 4;
+    out.isa = "neon";
+  }
+#endif
+  const double f32_seconds = bf16 ? seconds / 2 : seconds;
+  // 2 flops (multiply + add) per lane per chain step.
+  const Rate r = measure(f32, 2.0 * lanes * kChains, threads, f32_seconds);
+  out.f32_fma = r.gflops;
+  out.threads = r.threads;
+#if defined(__x86_64__)
+  if (bf16) {
+    // 16 f32 lanes, each 2 bf16 pairs, 2 flops per pair.
+    out.bf16_dot = measure(dot_avx512bf16, 16.0 * 2 * 2 * kChains, threads, seconds / 2).gflops;
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+PeakGflops measure_peak_gflops(int threads, double seconds) {
+  if (threads <= 0) threads = cpu_features().logical_cpus;
+  if (!(seconds > 0) || !std::isfinite(seconds)) seconds = 0.2;
+  seconds = std::min(seconds, 60.0);
+
+  static std::mutex mu;
+  static std::map<int, PeakGflops> cache;
+  // Held while measuring too: two measurements at once would compete for the cores.
+  const std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(threads); it != cache.end()) return it->second;
+  PeakGflops p = measure_uncached(threads, seconds);
+  cache.emplace(threads, p);
+  return p;
+}
+
+}  // namespace dattn

@@ -1,0 +1,31 @@
+// Validation of one call and its resolution into an AttentionProblem (the trusted struct).
+#pragma once
+
+#include <vector>
+
+#include "dattn/attention.hpp"
+#include "dattn/parallel.hpp"
+#include "dattn/problem.hpp"
+
+namespace dattn::detail {
+
+struct PrepareOptions {
+  // Backends without supports_packed_mask_free ignore packed_padding (SPEC §6).
+  bool honour_packed_padding = true;
+  // false: validate only; no joint concatenation is copied and the problem's views are those
+  // of the caller (used to validate before any parallel exchange).
+  bool materialize = true;
+};
+
+struct PreparedCall {
+  AttentionProblem problem;
+  std::vector<Tensor> owned;  // joint-concatenated Q/K/V and merged masks, when needed
+};
+
+// Validates `in` against `config` (SPEC §1-§8, §13) and resolves it. Throws InvalidArgument or
+// Unsupported naming the field; never writes to the output buffers.
+PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale,
+                          std::int64_t num_kv_heads, const AttentionInputs& in,
+                          const PrepareOptions& options);
+
+}  // namespace dattn::detail

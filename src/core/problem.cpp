@@ -1,0 +1,53 @@
+#include "dattn/problem.hpp"
+
+#include <sstream>
+
+namespace dattn {
+
+std::string_view feature_name(Feature f) {
+  switch (f) {
+    case Feature::attention_mask:
+      return "supports_attention_mask";
+    case Feature::multi_doc_packed_varlen:
+      return "supports_multi_doc_packed_varlen";
+    case Feature::packed_mask_free:
+      return "supports_packed_mask_free";
+    case Feature::prefix_kv_slicing:
+      return "supports_prefix_kv_slicing";
+    case Feature::piecewise_spans:
+      return "supports_piecewise_spans";
+    case Feature::paged_kv:
+      return "supports_paged_kv";
+    case Feature::lse_output:
+      return "lse_output";
+  }
+  return "?";
+}
+
+std::vector<Feature> FeatureSet::list() const {
+  std::vector<Feature> out;
+  for (std::uint32_t bit = 1; bit != 0 && bit <= static_cast<std::uint32_t>(Feature::lse_output);
+       bit <<= 1)
+    if (bits_ & bit) out.push_back(static_cast<Feature>(bit));
+  return out;
+}
+
+std::string FeatureSet::to_string() const {
+  std::string s;
+  for (Feature f : list()) s += (s.empty() ? "" : ", ") + std::string(feature_name(f));
+  return s.empty() ? "none" : s;
+}
+
+std::string AttentionProblem::describe() const {
+  std::ostringstream os;
+  os << "B=" << batch << " Sq=" << sq << " Skv=" << skv << " Hq=" << hq << " Hkv=" << hkv
+     << " D=" << d << " Dv=" << dv << " q=" << dtype_name(q.dtype())
+     << " kv=" << dtype_name(k.dtype()) << " out=" << dtype_name(out.dtype()) << " rule="
+     << (position_rule == PositionRule::full     ? "full"
+         : position_rule == PositionRule::causal ? "causal"
+                                                 : "piecewise")
+     << " segments=" << segments.size() << " features=" << features.to_string();
+  return os.str();
+}
+
+}  // namespace dattn

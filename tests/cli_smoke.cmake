@@ -1,0 +1,120 @@
+# Smoke test of the dattn command-line tool.
+# Usage: cmake -DDATTN=<path to dattn> -DWORKDIR=<scratch dir> -P cli_smoke.cmake
+# Everything it writes goes under WORKDIR.
+cmake_minimum_required(VERSION 3.25)
+
+if(NOT DATTN OR NOT WORKDIR)
+  message(FATAL_ERROR "usage: cmake -DDATTN=<dattn> -DWORKDIR=<dir> -P cli_smoke.cmake")
+endif()
+file(REMOVE_RECURSE "${WORKDIR}")
+file(MAKE_DIRECTORY "${WORKDIR}")
+
+# Runs dattn with ARGN; sets <prefix>_RC, <prefix>_OUT (stdout) and <prefix>_ERR (stderr).
+function(run_dattn prefix)
+  execute_process(COMMAND "${DATTN}" ${ARGN}
+                  WORKING_DIRECTORY "${WORKDIR}"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  set(${prefix}_RC "${rc}" PARENT_SCOPE)
+  set(${prefix}_OUT "${out}" PARENT_SCOPE)
+  set(${prefix}_ERR "${err}" PARENT_SCOPE)
+endfunction()
+
+function(expect_success prefix what)
+  if(NOT "${${prefix}_RC}" STREQUAL "0")
+    message(FATAL_ERROR "${what} exited with ${${prefix}_RC}\n"
+                        "stdout:\n${${prefix}_OUT}\nstderr:\n${${prefix}_ERR}")
+  endif()
+endfunction()
+
+function(expect_failure prefix what)
+  if("${${prefix}_RC}" STREQUAL "0")
+    message(FATAL_ERROR "${what} should have failed but exited with 0\n"
+                        "stdout:\n${${prefix}_OUT}\nstderr:\n${${prefix}_ERR}")
+  endif()
+endfunction()
+
+# ---- dattn info --json: a backends array whose entries carry the capability flags ----
+run_dattn(INFO info --json)
+expect_success(INFO "dattn info --json")
+string(JSON backend_type ERROR_VARIABLE json_error TYPE "${INFO_OUT}" backends)
+if(json_error OR NOT backend_type STREQUAL "ARRAY")
+  message(FATAL_ERROR "dattn info --json has no backends array (${json_error}):\n${INFO_OUT}")
+endif()
+string(JSON backend_count LENGTH "${INFO_OUT}" backends)
+if(backend_count LESS 1)
+  message(FATAL_ERROR "dattn info --json lists no backends:\n${INFO_OUT}")
+endif()
+foreach(key name supports_paged_kv)
+  string(JSON value ERROR_VARIABLE json_error GET "${INFO_OUT}" backends 0 ${key})
+  if(json_error)
+    message(FATAL_ERROR "backends[0] has no '${key}': ${json_error}\n${INFO_OUT}")
+  endif()
+endforeach()
+
+# ---- dattn run --json: the default workload, checked against REFERENCE ----
+run_dattn(RUN run --json)
+expect_success(RUN "dattn run --json")
+foreach(key backend workload dtype threads seconds gflops peak_gflops efficiency max_abs_err
+            max_rel_err)
+  string(JSON value ERROR_VARIABLE json_error GET "${RUN_OUT}" ${key})
+  if(json_error)
+    message(FATAL_ERROR "dattn run --json has no '${key}': ${json_error}\n${RUN_OUT}")
+  endif()
+endforeach()
+string(JSON max_rel_err GET "${RUN_OUT}" max_rel_err)
+string(JSON rel_err_type TYPE "${RUN_OUT}" max_rel_err)
+# if(LESS) compares numbers as doubles ("1.5e-07" included).
+if(NOT rel_err_type STREQUAL "NUMBER" OR NOT max_rel_err LESS 1e-3)
+  message(FATAL_ERROR "max_rel_err = ${max_rel_err} is not a number below 1e-3\n${RUN_OUT}")
+endif()
+message(STATUS "dattn run --json: ${RUN_OUT}")
+
+# ---- dattn run --workload nope: usage error listing the workloads ----
+run_dattn(NOPE run --workload nope)
+expect_failure(NOPE "dattn run --workload nope")
+foreach(name small flux-1024 wan-480p packed-docs)
+  if(NOT "${NOPE_OUT}${NOPE_ERR}" MATCHES "${name}")
+    message(FATAL_ERROR "dattn run --workload nope does not list workload '${name}':\n"
+                        "${NOPE_OUT}${NOPE_ERR}")
+  endif()
+endforeach()
+
+# ---- dattn attend on the tool's own example inputs ----
+set(example "${WORKDIR}/example.safetensors")
+set(example_meta "${WORKDIR}/example.meta.json")
+set(result "${WORKDIR}/result.safetensors")
+run_dattn(EXAMPLE attend --example-inputs "${example}")
+expect_success(EXAMPLE "dattn attend --example-inputs")
+if(NOT EXISTS "${example}" OR NOT EXISTS "${example_meta}")
+  message(FATAL_ERROR "dattn attend --example-inputs did not write ${example} and ${example_meta}")
+endif()
+run_dattn(ATTEND attend --inputs "${example}" --meta "${example_meta}" --out "${result}")
+expect_success(ATTEND "dattn attend")
+if(NOT EXISTS "${result}")
+  message(FATAL_ERROR "dattn attend did not write ${result}:\n${ATTEND_OUT}${ATTEND_ERR}")
+endif()
+
+# ---- dattn attend on a malformed file: a clear error, exit 1 ----
+set(malformed "${WORKDIR}/not-safetensors.txt")
+file(WRITE "${malformed}" "this is not a safetensors file\n")
+run_dattn(BAD attend --inputs "${malformed}" --out "${WORKDIR}/never.safetensors")
+expect_failure(BAD "dattn attend on a text file")
+if(NOT BAD_ERR MATCHES "^error: .*not-safetensors\\.txt")
+  message(FATAL_ERROR "dattn attend on a text file should print 'error: <path>: ...', got:\n"
+                      "${BAD_ERR}")
+endif()
+if(EXISTS "${WORKDIR}/never.safetensors")
+  message(FATAL_ERROR "dattn attend wrote an output for malformed inputs")
+endif()
+
+# ---- dattn attend with an unknown META key: error naming the key ----
+file(WRITE "${WORKDIR}/bad.meta.json" "{\"causal\": false, \"casual\": true}\n")
+run_dattn(BADMETA attend --inputs "${example}" --meta "${WORKDIR}/bad.meta.json"
+          --out "${WORKDIR}/never.safetensors")
+expect_failure(BADMETA "dattn attend with an unknown META key")
+if(NOT BADMETA_ERR MATCHES "casual" OR NOT BADMETA_ERR MATCHES "softmax_scale")
+  message(FATAL_ERROR "an unknown META key should be named with the valid keys, got:\n"
+                      "${BADMETA_ERR}")
+endif()
+
+message(STATUS "cli_smoke: all checks passed")

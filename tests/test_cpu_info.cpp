@@ -1,0 +1,182 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dattn/cpu_info.hpp"
+
+namespace dattn {
+namespace {
+
+// The "flags" line of the first processor in /proc/cpuinfo, or nullopt where there is none.
+std::optional<std::set<std::string>> proc_cpuinfo_flags() {
+  std::ifstream in("/proc/cpuinfo");
+  if (!in) return std::nullopt;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::istringstream words(line.substr(colon + 1));
+    std::set<std::string> flags;
+    std::string w;
+    while (words >> w) flags.insert(w);
+    return flags;
+  }
+  return std::nullopt;
+}
+
+TEST(CpuInfo, DetectedOnceAndStable) {
+  const CpuFeatures& a = cpu_features();
+  const CpuFeatures& b = cpu_features();
+  EXPECT_EQ(&a, &b);
+  EXPECT_GE(a.logical_cpus, 1);
+  const unsigned hc = std::thread::hardware_concurrency();
+  if (hc > 0) {
+    EXPECT_EQ(a.logical_cpus, static_cast<int>(hc));
+  }
+}
+
+TEST(CpuInfo, FlagImplications) {
+  const CpuFeatures& f = cpu_features();
+  if (f.avx512bw || f.avx512vl || f.avx512_bf16 || f.avx512_vnni || f.avx512_fp16) {
+    EXPECT_TRUE(f.avx512f);
+  }
+#if defined(__x86_64__)
+  EXPECT_FALSE(f.neon);
+  EXPECT_FALSE(f.vendor.empty());
+#elif defined(__aarch64__)
+  EXPECT_TRUE(f.neon);
+  EXPECT_FALSE(f.avx2 || f.fma || f.avx512f || f.amx_tile);
+#endif
+}
+
+TEST(CpuInfo, NamesListExactlyTheTrueFlags) {
+  const CpuFeatures& f = cpu_features();
+  const std::vector<std::pair<bool, std::string>> all = {
+      {f.avx2, "avx2"},
+      {f.fma, "fma"},
+      {f.f16c, "f16c"},
+      {f.avx512f, "avx512f"},
+      {f.avx512bw, "avx512bw"},
+      {f.avx512vl, "avx512vl"},
+      {f.avx512_bf16, "avx512_bf16"},
+      {f.avx512_vnni, "avx512_vnni"},
+      {f.avx512_fp16, "avx512_fp16"},
+      {f.amx_tile, "amx_tile"},
+      {f.amx_bf16, "amx_bf16"},
+      {f.neon, "neon"},
+  };
+  std::vector<std::string> expected;
+  for (const auto& [on, name] : all) {
+    if (on) expected.push_back(name);
+  }
+  EXPECT_EQ(f.names(), expected);
+
+  // Every false flag yields a name list without it.
+  CpuFeatures none;
+  EXPECT_TRUE(none.names().empty());
+  CpuFeatures some;
+  some.fma = true;
+  some.amx_bf16 = true;
+  EXPECT_EQ(some.names(), (std::vector<std::string>{"fma", "amx_bf16"}));
+}
+
+TEST(CpuInfo, MatchesProcCpuinfo) {
+#if !defined(__x86_64__)
+  GTEST_SKIP() << "flag names compared are x86 ones";
+#else
+  const auto flags = proc_cpuinfo_flags();
+  if (!flags) GTEST_SKIP() << "no /proc/cpuinfo flags line";
+  const CpuFeatures& f = cpu_features();
+  auto has = [&](const char* name) { return flags->count(name) != 0; };
+  // The kernel lists a flag only when the CPU has it and the kernel enabled its state, which is
+  // what detection reports.
+  EXPECT_EQ(f.avx2, has("avx2"));
+  EXPECT_EQ(f.fma, has("fma"));
+  EXPECT_EQ(f.f16c, has("f16c"));
+  EXPECT_EQ(f.avx512f, has("avx512f"));
+  EXPECT_EQ(f.avx512bw, has("avx512bw"));
+  EXPECT_EQ(f.avx512vl, has("avx512vl"));
+  EXPECT_EQ(f.avx512_bf16, has("avx512_bf16"));
+  EXPECT_EQ(f.avx512_vnni, has("avx512_vnni"));
+  EXPECT_EQ(f.amx_tile, has("amx_tile"));
+  EXPECT_EQ(f.amx_bf16, has("amx_bf16"));
+  // Kernels older than 5.11 don't know avx512_fp16: only check that a listed flag is detected.
+  if (has("avx512_fp16")) {
+    EXPECT_TRUE(f.avx512_fp16);
+  }
+#endif
+}
+
+TEST(CpuInfo, BrandIsTrimmed) {
+  const std::string& b = cpu_features().brand;
+  if (b.empty()) GTEST_SKIP() << "no brand string";
+  EXPECT_NE(b.front(), ' ');
+  EXPECT_NE(b.back(), ' ');
+  EXPECT_EQ(b.find('\0'), std::string::npos);
+}
+
+void expect_sane(const PeakGflops& p, int threads) {
+  EXPECT_TRUE(std::isfinite(p.f32_fma));
+  EXPECT_GT(p.f32_fma, 0.0);
+  EXPECT_GE(p.threads, 1);
+  EXPECT_LE(p.threads, threads);
+  const std::vector<std::string> isas = {"avx512f", "avx2+fma", "neon", "scalar"};
+  EXPECT_NE(std::find(isas.begin(), isas.end(), p.isa), isas.end()) << p.isa;
+  const CpuFeatures& f = cpu_features();
+  if (f.avx512f) {
+    EXPECT_EQ(p.isa, "avx512f");
+  } else if (f.avx2 && f.fma) {
+    EXPECT_EQ(p.isa, "avx2+fma");
+  }
+  EXPECT_EQ(p.bf16_dot.has_value(), f.avx512_bf16);
+  if (p.bf16_dot) {
+    EXPECT_TRUE(std::isfinite(*p.bf16_dot));
+    EXPECT_GT(*p.bf16_dot, 0.0);
+  }
+}
+
+TEST(CpuPeak, OneThread) {
+  const PeakGflops p = measure_peak_gflops(1, 0.05);
+  expect_sane(p, 1);
+  EXPECT_EQ(p.threads, 1);
+  std::printf("peak 1 thread: %.1f GFLOP/s f32 (%s)", p.f32_fma, p.isa.c_str());
+  if (p.bf16_dot) std::printf(", %.1f GFLOP/s bf16 dot", *p.bf16_dot);
+  std::printf("\n");
+}
+
+TEST(CpuPeak, CachedPerThreadCount) {
+  const PeakGflops a = measure_peak_gflops(1, 0.05);
+  const PeakGflops b = measure_peak_gflops(1, 0.05);
+  EXPECT_EQ(a.f32_fma, b.f32_fma);  // the cached value, bit for bit
+  EXPECT_EQ(a.bf16_dot, b.bf16_dot);
+  EXPECT_EQ(a.threads, b.threads);
+  EXPECT_EQ(a.isa, b.isa);
+
+  const PeakGflops c = measure_peak_gflops(2, 0.05);
+  expect_sane(c, 2);
+  const PeakGflops d = measure_peak_gflops(2, 0.05);
+  EXPECT_EQ(c.f32_fma, d.f32_fma);
+  EXPECT_EQ(c.bf16_dot, d.bf16_dot);
+  EXPECT_EQ(c.threads, d.threads);
+}
+
+TEST(CpuPeak, NonPositiveThreadsMeansAllCpus) {
+  const int n = cpu_features().logical_cpus;
+  const PeakGflops a = measure_peak_gflops(0, 0.05);
+  expect_sane(a, n);
+  const PeakGflops b = measure_peak_gflops(n, 0.05);
+  EXPECT_EQ(a.f32_fma, b.f32_fma);  // same cache entry
+}
+
+}  // namespace
+}  // namespace dattn

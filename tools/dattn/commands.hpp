@@ -1,0 +1,52 @@
+// The subcommands of the `dattn` tool. Each registers its options on a CLI11 subcommand and
+// runs from the parsed options, returning the process exit code. Library errors
+// (dattn::Error) propagate to main(), which prints "error: <message>" and exits 1.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace dattn::cli {
+
+// Exit codes.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitError = 1;  // the library or the inputs refused the request
+inline constexpr int kExitUsage = 2;  // the command line itself is wrong
+
+// `dattn info`: the platform, the CPU, its measured peak and every registered backend.
+struct InfoOptions {
+  bool json = false;
+  int threads = 0;  // 0 = OpenMP's default
+};
+void add_info_options(CLI::App& command, InfoOptions& options);
+int run_info(const InfoOptions& options);
+
+// `dattn run`: times one workload of the table and checks a sample of rows against REFERENCE.
+struct RunOptions {
+  std::string workload = "small";
+  std::string backend = "auto";
+  std::string dtype = "f32";
+  int threads = 0;         // 0 = OpenMP's default
+  std::int64_t heads = 0;  // 0 = the workload's own head count
+  std::int64_t check_rows = 32;
+  std::uint64_t seed = 1;
+  bool json = false;
+  bool list_workloads = false;
+};
+void add_run_options(CLI::App& command, RunOptions& options);
+int run_run(const RunOptions& options);
+
+// `dattn attend`: attention on tensors read from a safetensors file.
+struct AttendOptions {
+  std::string inputs;
+  std::string meta;
+  std::string out;
+  std::string backend = "auto";
+  std::string example_inputs;  // write an example input file (+ META json) instead
+};
+void add_attend_options(CLI::App& command, AttendOptions& options);
+int run_attend(const AttendOptions& options);
+
+}  // namespace dattn::cli

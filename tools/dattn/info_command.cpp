@@ -1,0 +1,182 @@
+// `dattn info`: what this machine offers and what every registered backend claims.
+#include <omp.h>
+
+#include <algorithm>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "dattn/backend.hpp"
+#include "dattn/cpu_info.hpp"
+#include "dattn/errors.hpp"
+#include "dattn/registry.hpp"
+#include "workloads.hpp"
+
+namespace dattn::cli {
+
+namespace {
+
+using nlohmann::json;
+
+// The reason validate_available() gives, or nullopt when the backend can run here.
+std::optional<std::string> unavailable_reason(const Backend& backend) {
+  try {
+    backend.validate_available();
+    return std::nullopt;
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+}
+
+// Every capability flag under the seed's names, plus identity and availability.
+json backend_json(const Backend& b) {
+  json j;
+  j["name"] = b.name();
+  j["description"] = b.description();
+  j["priority"] = b.priority();
+  const std::optional<std::string> reason = unavailable_reason(b);
+  j["available"] = !reason.has_value();
+  j["unavailable_reason"] = reason ? json(*reason) : json(nullptr);
+  j["accept_output_buffer"] = b.accept_output_buffer();
+  j["supports_piecewise_spans"] = b.supports_piecewise_spans();
+  j["supports_paged_kv"] = b.supports_paged_kv();
+  j["supports_prefix_kv_slicing"] = b.supports_prefix_kv_slicing();
+  j["supports_packed_mask_free"] = b.supports_packed_mask_free();
+  j["supports_multi_doc_packed_varlen"] = b.supports_multi_doc_packed_varlen();
+  j["supports_attention_mask"] = b.supports_attention_mask();
+  j["indexes_kv_by_block_stride"] = b.indexes_kv_by_block_stride();
+  if (const auto platforms = b.supported_platforms()) {
+    j["supported_platforms"] = json::array();
+    for (Platform p : *platforms) j["supported_platforms"].push_back(platform_name(p));
+  } else {
+    j["supported_platforms"] = nullptr;
+  }
+  j["supported_head_sizes"] = b.supported_head_sizes();
+  j["supported_dtypes"] = json::array();
+  for (DType t : {DType::F32, DType::BF16, DType::F16})
+    if (b.supports_dtype(t)) j["supported_dtypes"].push_back(dtype_name(t));
+  return j;
+}
+
+json info_json(int threads, const PeakGflops& peak) {
+  const CpuFeatures& cpu = cpu_features();
+  json j;
+  j["platform"] = platform_name(Platform::cpu);
+  j["cpu"] = {{"brand", cpu.brand},
+              {"vendor", cpu.vendor},
+              {"logical_cpus", cpu.logical_cpus},
+              {"features", cpu.names()}};
+  j["threads"] = threads;
+  j["peak_gflops"] = {{"f32_fma", peak.f32_fma},
+                      {"bf16_dot", peak.bf16_dot ? json(*peak.bf16_dot) : json(nullptr)},
+                      {"isa", peak.isa},
+                      {"threads", peak.threads}};
+  j["backends"] = json::array();
+  for (const auto& backend : Registry::global().all())
+    j["backends"].push_back(backend_json(*backend));
+  j["workloads"] = workload_names();
+  return j;
+}
+
+// A JSON value as a table cell: yes/no, "any", comma-separated lists, numbers as printed.
+std::string cell(const json& value) {
+  if (value.is_boolean()) return value.get<bool>() ? "yes" : "no";
+  if (value.is_null()) return "any";
+  if (value.is_string()) return value.get<std::string>();
+  if (value.is_array()) {
+    if (value.empty()) return "any";
+    std::string s;
+    for (const json& item : value) s += (s.empty() ? "" : ",") + cell(item);
+    return s;
+  }
+  return value.dump();
+}
+
+void print_text(std::ostream& os, const json& info) {
+  const auto label = [&os](const char* name) -> std::ostream& {
+    return os << std::left << std::setw(14) << name << std::right;
+  };
+  label("platform") << info["platform"].get<std::string>() << '\n';
+  label("cpu") << info["cpu"]["brand"].get<std::string>() << " ("
+               << info["cpu"]["logical_cpus"].get<int>() << " logical CPUs)\n";
+  label("features") << cell(info["cpu"]["features"]) << '\n';
+  label("threads") << info["threads"].get<int>() << '\n';
+  const json& peak = info["peak_gflops"];
+  std::ostringstream bf16;
+  if (peak["bf16_dot"].is_null())
+    bf16 << "n/a";
+  else
+    bf16 << std::fixed << std::setprecision(1) << peak["bf16_dot"].get<double>();
+  label("peak GFLOP/s") << std::fixed << std::setprecision(1) << peak["f32_fma"].get<double>()
+                        << " f32 FMA (" << peak["isa"].get<std::string>() << "), " << bf16.str()
+                        << " bf16 dot\n"
+                        << std::defaultfloat;
+  label("workloads") << cell(info["workloads"]) << "\n\n";
+
+  // One row per capability, one column per backend.
+  static constexpr const char* kRows[] = {
+      "priority",
+      "available",
+      "accept_output_buffer",
+      "supports_piecewise_spans",
+      "supports_paged_kv",
+      "supports_prefix_kv_slicing",
+      "supports_packed_mask_free",
+      "supports_multi_doc_packed_varlen",
+      "supports_attention_mask",
+      "indexes_kv_by_block_stride",
+      "supported_platforms",
+      "supported_head_sizes",
+      "supported_dtypes",
+  };
+  const json& backends = info["backends"];
+  std::size_t label_width = std::string_view("backend").size();
+  for (const char* row : kRows) label_width = std::max(label_width, std::string_view(row).size());
+  std::vector<std::size_t> widths;
+  for (const json& b : backends) {
+    std::size_t w = b["name"].get<std::string>().size();
+    for (const char* row : kRows) w = std::max(w, cell(b[row]).size());
+    widths.push_back(w);
+  }
+  const auto print_row = [&](std::string_view name, auto&& value_of) {
+    os << std::left << std::setw(int(label_width)) << name;
+    for (std::size_t i = 0; i < backends.size(); ++i) {
+      const bool last = i + 1 == backends.size();  // no trailing spaces
+      os << "  " << std::setw(last ? 0 : int(widths[i])) << value_of(backends[i]);
+    }
+    os << std::right << '\n';
+  };
+  print_row("backend", [](const json& b) { return b["name"].get<std::string>(); });
+  for (const char* row : kRows) print_row(row, [row](const json& b) { return cell(b[row]); });
+  os << '\n';
+  for (const json& b : backends) {
+    os << b["name"].get<std::string>() << ": " << b["description"].get<std::string>() << '\n';
+    if (!b["unavailable_reason"].is_null())
+      os << "  unavailable: " << b["unavailable_reason"].get<std::string>() << '\n';
+  }
+}
+
+}  // namespace
+
+void add_info_options(CLI::App& command, InfoOptions& options) {
+  command.add_flag("--json", options.json, "Print one JSON object");
+  command.add_option("--threads,-t", options.threads, "Threads for the peak measurement")
+      ->check(CLI::PositiveNumber);
+}
+
+int run_info(const InfoOptions& options) {
+  if (options.threads > 0) omp_set_num_threads(options.threads);
+  const int threads = omp_get_max_threads();
+  const json info = info_json(threads, measure_peak_gflops(threads));
+  if (options.json)
+    std::cout << info.dump() << '\n';
+  else
+    print_text(std::cout, info);
+  return kExitOk;
+}
+
+}  // namespace dattn::cli

@@ -1,0 +1,48 @@
+// dattn: command-line front end of the library (info, run, attend).
+#include <exception>
+#include <iostream>
+#include <new>
+
+#include <CLI/CLI.hpp>
+
+#include "commands.hpp"
+
+int main(int argc, char** argv) {
+  using namespace dattn::cli;
+  CLI::App app{"dattn: attention backends for diffusion transformers"};
+  app.require_subcommand(1);
+
+  InfoOptions info;
+  CLI::App* info_command = app.add_subcommand(
+      "info", "Show the platform, CPU features, measured peak and every registered backend");
+  add_info_options(*info_command, info);
+
+  RunOptions run;
+  CLI::App* run_command = app.add_subcommand(
+      "run", "Time a workload on a backend and check a sample of rows against REFERENCE");
+  add_run_options(*run_command, run);
+
+  AttendOptions attend;
+  CLI::App* attend_command = app.add_subcommand(
+      "attend", "Run attention on tensors from a safetensors file and write the result");
+  add_attend_options(*attend_command, attend);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? kExitOk : kExitUsage;
+  }
+
+  try {
+    if (*info_command) return run_info(info);
+    if (*run_command) return run_run(run);
+    if (*attend_command) return run_attend(attend);
+  } catch (const std::bad_alloc&) {
+    std::cerr << "error: out of memory (for a large workload, try fewer heads: --heads N)\n";
+    return kExitError;
+  } catch (const std::exception& e) {  // dattn::Error and anything else
+    std::cerr << "error: " << e.what() << '\n';
+    return kExitError;
+  }
+  return kExitUsage;
+}

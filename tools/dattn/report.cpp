@@ -1,0 +1,64 @@
+#include "report.hpp"
+
+#include <cmath>
+#include <iomanip>
+
+namespace dattn::cli {
+
+namespace {
+
+// JSON has no NaN or infinity; nlohmann would write null anyway, say so explicitly.
+nlohmann::json finite_or_null(double x) {
+  return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr);
+}
+
+}  // namespace
+
+nlohmann::json to_json(const RunReport& r) {
+  nlohmann::json j;
+  j["backend"] = r.backend;
+  j["selection"] = r.selection;
+  j["workload"] = r.workload;
+  j["layout"] = r.layout;
+  j["dtype"] = r.dtype;
+  j["threads"] = r.threads;
+  j["seed"] = r.seed;
+  j["shape"] = {{"B", r.shape.batch}, {"Sq", r.shape.sq}, {"Skv", r.shape.skv}, {"Hq", r.shape.hq},
+                {"Hkv", r.shape.hkv}, {"D", r.shape.d},   {"J", r.shape.joint}};
+  j["flops"] = r.flops;
+  j["seconds"] = r.seconds;
+  j["gflops"] = finite_or_null(r.gflops);
+  j["peak_gflops"] = r.peak_gflops;
+  j["peak_kind"] = r.peak_kind;
+  j["efficiency"] = finite_or_null(r.efficiency);
+  j["checked_rows"] = r.check ? r.check->rows : 0;
+  j["max_abs_err"] = r.check ? finite_or_null(r.check->max_abs_err) : nlohmann::json(nullptr);
+  j["max_rel_err"] = r.check ? finite_or_null(r.check->max_rel_err) : nlohmann::json(nullptr);
+  return j;
+}
+
+void print_text(std::ostream& os, const RunReport& r) {
+  const auto label = [&os](const char* name) -> std::ostream& {
+    return os << "  " << std::left << std::setw(12) << name << std::right;
+  };
+  os << "workload " << r.workload << " on " << r.backend << " (" << r.selection << ")\n";
+  label("shape") << "B " << r.shape.batch << ", Sq " << r.shape.sq << ", Skv " << r.shape.skv
+                 << ", Hq " << r.shape.hq << ", Hkv " << r.shape.hkv << ", D " << r.shape.d
+                 << ", J " << r.shape.joint << " (" << r.layout << ")\n";
+  label("dtype") << r.dtype << ", " << r.threads << " thread(s), seed " << r.seed << '\n';
+  label("time") << std::fixed << std::setprecision(4) << r.seconds << " s for "
+                << std::setprecision(3) << r.flops * 1e-9 << " GFLOP\n";
+  label("rate") << std::setprecision(2) << r.gflops << " GFLOP/s of " << r.peak_gflops << " peak ("
+                << r.peak_kind << "): " << std::setprecision(2) << 100.0 * r.efficiency
+                << "% efficiency\n";
+  if (r.check) {
+    label("accuracy") << std::scientific << std::setprecision(3) << "max abs err "
+                      << r.check->max_abs_err << ", max rel err " << r.check->max_rel_err
+                      << " over " << r.check->rows << " rows checked against REFERENCE\n";
+  } else {
+    label("accuracy") << "not checked (--check-rows 0)\n";
+  }
+  os << std::defaultfloat;
+}
+
+}  // namespace dattn::cli

@@ -1,0 +1,47 @@
+// The result of one `dattn run`: what ran, how fast, and how far from REFERENCE.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace dattn::cli {
+
+struct RunShape {
+  std::int64_t batch = 0, sq = 0, skv = 0, hq = 0, hkv = 0, d = 0, joint = 0;
+};
+
+// Output rows of a sample recomputed by REFERENCE, compared with the timed backend's output.
+struct RowCheck {
+  std::int64_t rows = 0;   // query rows sampled (every batch item and head of each)
+  double max_abs_err = 0;  // max |out - reference| over the sampled rows
+  double max_rel_err = 0;  // max_abs_err / max |reference| over the sampled rows
+};
+
+struct RunReport {
+  std::string backend;    // the backend that ran
+  std::string selection;  // how it was chosen: "explicit", "env ..." or "auto"
+  std::string workload;
+  std::string layout;  // "BSHD" or "THD"
+  std::string dtype;
+  int threads = 1;
+  std::uint64_t seed = 0;
+  RunShape shape;
+  double flops = 0;    // attention_flops() of the workload
+  double seconds = 0;  // one timed forward call (after a warm-up call)
+  double gflops = 0;
+  double peak_gflops = 0;         // the machine's measured peak for the dtype over `threads`
+  std::string peak_kind;          // "f32_fma" or "bf16_dot"
+  double efficiency = 0;          // gflops / peak_gflops
+  std::optional<RowCheck> check;  // absent with --check-rows 0
+};
+
+// One flat JSON object; the error keys are null when no rows were checked.
+nlohmann::json to_json(const RunReport& report);
+// A few aligned human-readable lines.
+void print_text(std::ostream& os, const RunReport& report);
+
+}  // namespace dattn::cli
