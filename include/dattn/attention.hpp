@@ -56,10 +56,12 @@ class Attention {
   // Output [B, J + Sq, Hq, Dv] in Q's dtype (layout of qkv_layout), LSE f32 [B, Hq, J + Sq].
   ForwardResult forward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const AttentionMetadata& metadata = {}, bool want_lse = false) const;
-  // Writes into caller buffers. On any error nothing is written.
-  void forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
-                    const AttentionMetadata& metadata, const TensorView& out,
-                    const std::optional<TensorView>& lse = std::nullopt) const;
+  // Writes into caller buffers. On any error nothing is written. Returns the backend that ran
+  // the call (under automatic choice, a call needing a feature the layer's backend lacks runs
+  // on the best backend that has it).
+  const Backend& forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const AttentionMetadata& metadata, const TensorView& out,
+                              const std::optional<TensorView>& lse = std::nullopt) const;
   // One paged-KV call; Unsupported unless the backend supports paged KV.
   void forward_paged(const PagedAttentionCall& call) const;
 

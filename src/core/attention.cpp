@@ -114,7 +114,8 @@ struct Attention::State {
         "no registered backend supports this call's features: " + features.to_string());
   }
 
-  void run_local(const AttentionInputs& in) {
+  // Runs one call on this process; returns the backend that ran it.
+  const Backend& run_local(const AttentionInputs& in) {
     const bool mask_free = primary->backend->supports_packed_mask_free();
     detail::PrepareOptions opts;
     opts.honour_packed_padding = mask_free;
@@ -135,7 +136,7 @@ struct Attention::State {
                                               " on " + std::string(platform_name(p.q.platform())));
     if (slot->backend->accept_output_buffer()) {
       slot->impl->run(*slot->plan_for(p), p);
-      return;
+      return *slot->backend;
     }
     // The backend writes only into a buffer of its own: give it one, then copy.
     const TensorView caller_out = p.out;
@@ -143,6 +144,7 @@ struct Attention::State {
     p.out = tmp.view();
     slot->impl->run(*slot->plan_for(p), p);
     copy_into(tmp.view(), caller_out);
+    return *slot->backend;
   }
 };
 
@@ -202,21 +204,22 @@ const Selection& Attention::selection() const {
   return state_->selection;
 }
 
-void Attention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
-                             const AttentionMetadata& metadata, const TensorView& out,
-                             const std::optional<TensorView>& lse) const {
+const Backend& Attention::forward_into(const TensorView& q, const TensorView& k,
+                                       const TensorView& v, const AttentionMetadata& metadata,
+                                       const TensorView& out,
+                                       const std::optional<TensorView>& lse) const {
   State& s = *state_;
   const AttentionInputs inputs{q, k, v, &metadata, out, lse};
-  if (!s.config.parallel) {
-    s.run_local(inputs);
-    return;
-  }
+  if (!s.config.parallel) return s.run_local(inputs);
   // Validate before any exchange, so a bad input raises on every rank instead of hanging.
   detail::PrepareOptions opts;
   opts.honour_packed_padding = s.primary->backend->supports_packed_mask_free();
   opts.materialize = false;
   (void)detail::prepare_call(s.config, s.scale, s.num_kv_heads, inputs, opts);
-  s.config.parallel->forward(inputs, [&s](const AttentionInputs& in) { s.run_local(in); });
+  const Backend* ran = s.primary->backend.get();
+  s.config.parallel->forward(inputs,
+                             [&s, &ran](const AttentionInputs& in) { ran = &s.run_local(in); });
+  return *ran;
 }
 
 ForwardResult Attention::forward(const TensorView& q, const TensorView& k, const TensorView& v,

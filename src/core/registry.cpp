@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cstdlib>
 
+#include "backends/flash/flash.hpp"
 #include "backends/reference/reference.hpp"
 #include "dattn/errors.hpp"
 
@@ -25,6 +26,7 @@ std::string Selection::to_string() const {
 Registry& Registry::global() {
   static Registry* registry = [] {
     auto* r = new Registry();
+    r->add(make_flash_backend());
     r->add(make_reference_backend());
     return r;
   }();

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -37,6 +38,22 @@ struct RunOptions {
 };
 void add_run_options(CLI::App& command, RunOptions& options);
 int run_run(const RunOptions& options);
+
+// `dattn bench`: every combination of workloads, backends and dtypes, best of `reps`.
+struct BenchOptions {
+  std::vector<std::string> workloads;  // default {"small"}
+  std::vector<std::string> backends;   // default {"auto"}
+  std::vector<std::string> dtypes;     // default {"f32"}
+  int threads = 0;
+  std::int64_t heads = 0;
+  int reps = 3;
+  std::int64_t check_rows = 8;
+  std::uint64_t seed = 1;
+  bool json = false;
+  std::string svg;
+};
+void add_bench_options(CLI::App& command, BenchOptions& options);
+int run_bench(const BenchOptions& options);
 
 // `dattn attend`: attention on tensors read from a safetensors file.
 struct AttendOptions {

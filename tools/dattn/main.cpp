@@ -1,4 +1,4 @@
-// dattn: command-line front end of the library (info, run, attend).
+// dattn: command-line front end of the library (info, run, bench, attend).
 #include <exception>
 #include <iostream>
 #include <new>
@@ -22,6 +22,11 @@ int main(int argc, char** argv) {
       "run", "Time a workload on a backend and check a sample of rows against REFERENCE");
   add_run_options(*run_command, run);
 
+  BenchOptions bench;
+  CLI::App* bench_command = app.add_subcommand(
+      "bench", "Time workloads x backends x dtypes (best of --reps) as a table, JSON or SVG");
+  add_bench_options(*bench_command, bench);
+
   AttendOptions attend;
   CLI::App* attend_command = app.add_subcommand(
       "attend", "Run attention on tensors from a safetensors file and write the result");
@@ -36,6 +41,7 @@ int main(int argc, char** argv) {
   try {
     if (*info_command) return run_info(info);
     if (*run_command) return run_run(run);
+    if (*bench_command) return run_bench(bench);
     if (*attend_command) return run_attend(attend);
   } catch (const std::bad_alloc&) {
     std::cerr << "error: out of memory (for a large workload, try fewer heads: --heads N)\n";

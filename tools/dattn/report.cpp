@@ -23,6 +23,7 @@ nlohmann::json to_json(const RunReport& r) {
   j["dtype"] = r.dtype;
   j["threads"] = r.threads;
   j["seed"] = r.seed;
+  j["reps"] = r.reps;
   j["shape"] = {{"B", r.shape.batch}, {"Sq", r.shape.sq}, {"Skv", r.shape.skv}, {"Hq", r.shape.hq},
                 {"Hkv", r.shape.hkv}, {"D", r.shape.d},   {"J", r.shape.joint}};
   j["flops"] = r.flops;

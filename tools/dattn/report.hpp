@@ -29,9 +29,10 @@ struct RunReport {
   std::string dtype;
   int threads = 1;
   std::uint64_t seed = 0;
+  int reps = 1;  // timed calls; `seconds` is the best
   RunShape shape;
   double flops = 0;    // attention_flops() of the workload
-  double seconds = 0;  // one timed forward call (after a warm-up call)
+  double seconds = 0;  // the best timed forward call (after a warm-up call)
   double gflops = 0;
   double peak_gflops = 0;         // the machine's measured peak for the dtype over `threads`
   std::string peak_kind;          // "f32_fma" or "bf16_dot"

@@ -1,110 +1,11 @@
-// `dattn run`: builds a workload's inputs, times one forward call on the chosen backend and
-// recomputes a sample of query rows with REFERENCE ("reference_rows") to report the error.
-#include <omp.h>
-
-#include <algorithm>
-#include <array>
-#include <chrono>
-#include <cmath>
+// `dattn run`: times one workload on one backend and checks a sample of rows against
+// REFERENCE.
 #include <iostream>
-#include <limits>
-#include <vector>
 
 #include "commands.hpp"
-#include "dattn/attention.hpp"
-#include "dattn/cpu_info.hpp"
-#include "report.hpp"
-#include "workloads.hpp"
+#include "measurement.hpp"
 
 namespace dattn::cli {
-
-namespace {
-
-using i64 = std::int64_t;
-
-void progress(const std::string& message) {
-  std::cerr << "dattn run: " << message << std::endl;
-}
-
-void print_workloads(std::ostream& os) {
-  std::size_t width = 0;
-  for (const Workload& w : workloads()) width = std::max(width, w.name.size());
-  for (const Workload& w : workloads())
-    os << "  " << w.name << std::string(width - w.name.size() + 2, ' ') << w.description << '\n';
-}
-
-// `view` as [B, S, H, E]: BSHD as it is, THD with a batch dim of 1 in front.
-TensorView as_bshd(const TensorView& view, QkvLayout layout) {
-  if (layout != QkvLayout::THD) return view;
-  const std::array<i64, 4> shape{1, view.size(0), view.size(1), view.size(2)};
-  const std::array<i64, 4> strides{0, view.stride(0), view.stride(1), view.stride(2)};
-  return TensorView(view.data(), view.dtype(), shape, strides, view.platform());
-}
-
-// Up to `count` of the rows [0, rows), spread evenly, the first and the last included.
-// Example: rows 333, count 4 -> 0, 111, 221, 332.
-std::vector<std::int32_t> sample_rows(i64 rows, i64 count) {
-  std::vector<std::int32_t> sample;
-  if (rows <= 0 || count <= 0) return sample;
-  if (count >= rows || count == 1) {
-    for (i64 i = 0; i < std::min(rows, count); ++i) sample.push_back(static_cast<std::int32_t>(i));
-    return sample;
-  }
-  for (i64 n = 0; n < count; ++n)
-    sample.push_back(static_cast<std::int32_t>((n * (rows - 1) + (count - 1) / 2) / (count - 1)));
-  sample.erase(std::unique(sample.begin(), sample.end()), sample.end());
-  return sample;
-}
-
-// Recomputes `rows` with REFERENCE and compares them with `out` (every batch item and head).
-RowCheck check_against_reference(const Workload& workload, DType dtype,
-                                 const WorkloadInputs& inputs, const TensorView& out, i64 rows) {
-  const std::vector<std::int32_t> sample = sample_rows(workload.output_rows(), rows);
-  Tensor rows_tensor = Tensor::empty({i64(sample.size())}, DType::I32);
-  std::copy(sample.begin(), sample.end(), rows_tensor.data_as<std::int32_t>());
-
-  AttentionConfig config = workload_attention_config(workload, dtype);
-  config.backend = "REFERENCE";
-  const Attention reference(config);
-  AttentionMetadata metadata = inputs.metadata;
-  metadata.extra.backend["reference_rows"] = rows_tensor.view();
-  const Tensor expected = Tensor::zeros(out.shape(), DType::F32);
-  reference.forward_into(inputs.q, inputs.k, inputs.v, metadata, expected.view());
-
-  const TensorView got = as_bshd(out, workload.layout());
-  const TensorView want = as_bshd(expected.view(), workload.layout());
-  double max_abs = 0, max_ref = 0;
-  for (i64 b = 0; b < got.size(0); ++b)
-    for (const std::int32_t row : sample)
-      for (i64 h = 0; h < got.size(2); ++h)
-        for (i64 e = 0; e < got.size(3); ++e) {
-          const std::array<i64, 4> index{b, row, h, e};
-          const double x = load_as_f32(got.element_ptr(index), got.dtype(), 0);
-          const double y = load_as_f32(want.element_ptr(index), want.dtype(), 0);
-          const double diff = std::fabs(x - y);
-          max_abs =
-              std::isnan(diff) ? std::numeric_limits<double>::infinity() : std::max(max_abs, diff);
-          max_ref = std::max(max_ref, std::fabs(y));
-        }
-  RowCheck check;
-  check.rows = i64(sample.size());
-  check.max_abs_err = max_abs;
-  check.max_rel_err = max_ref > 0 ? max_abs / max_ref : max_abs;
-  return check;
-}
-
-// Output buffer of `workload`: BSHD [B, J + Sq, Hq, D], THD [T, Hq, D].
-Tensor output_buffer(const Workload& w, DType dtype) {
-  if (w.layout() == QkvLayout::THD)
-    return Tensor::zeros({w.query_rows, w.heads, w.head_size}, dtype);
-  return Tensor::zeros({w.batch, w.output_rows(), w.heads, w.head_size}, dtype);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-}  // namespace
 
 void add_run_options(CLI::App& command, RunOptions& options) {
   command.add_option("--workload,-w", options.workload, "Workload to run (see --list-workloads)")
@@ -143,51 +44,14 @@ int run_run(const RunOptions& options) {
     print_workloads(std::cerr);
     return kExitUsage;
   }
-  const Workload workload = options.heads > 0 ? with_heads(*found, options.heads) : *found;
-  const DType dtype = parse_dtype(options.dtype).value_or(DType::F32);
-  if (options.threads > 0) omp_set_num_threads(options.threads);
-  const int threads = omp_get_max_threads();
-
-  AttentionConfig config = workload_attention_config(workload, dtype);
-  config.backend = options.backend;
-  const Attention layer(config);
-
-  progress("building inputs of " + workload.name + "...");
-  const WorkloadInputs inputs = build_workload_inputs(workload, dtype, options.seed);
-  const Tensor out = output_buffer(workload, dtype);
-
-  progress("warm-up on " + layer.backend().name() + "...");
-  layer.forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, out.view());
-  progress("timing...");
-  const auto start = std::chrono::steady_clock::now();
-  layer.forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, out.view());
-  const double seconds = seconds_since(start);
-
-  RunReport report;
-  if (options.check_rows > 0) {
-    progress("checking " + std::to_string(std::min(options.check_rows, workload.output_rows())) +
-             " rows against REFERENCE...");
-    report.check = check_against_reference(workload, dtype, inputs, out.view(), options.check_rows);
-  }
-
-  const PeakGflops peak = measure_peak_gflops(threads);
-  const bool half_precision = dtype != DType::F32 && peak.bf16_dot.has_value();
-  report.backend = layer.backend().name();
-  report.selection = layer.selection().source;
-  report.workload = workload.name;
-  report.layout = std::string(qkv_layout_name(workload.layout()));
-  report.dtype = std::string(dtype_name(dtype));
-  report.threads = threads;
-  report.seed = options.seed;
-  report.shape = {workload.batch,    workload.query_rows, workload.key_rows,  workload.heads,
-                  workload.kv_heads, workload.head_size,  workload.joint_rows};
-  report.flops = attention_flops(workload);
-  report.seconds = seconds;
-  report.gflops = report.flops / seconds * 1e-9;
-  report.peak_gflops = half_precision ? *peak.bf16_dot : peak.f32_fma;
-  report.peak_kind = half_precision ? "bf16_dot" : "f32_fma";
-  report.efficiency = report.peak_gflops > 0 ? report.gflops / report.peak_gflops : 0.0;
-
+  Measurement m{options.heads > 0 ? with_heads(*found, options.heads) : *found};
+  m.backend = options.backend;
+  m.dtype = parse_dtype(options.dtype).value_or(DType::F32);
+  m.threads = options.threads;
+  m.check_rows = options.check_rows;
+  m.seed = options.seed;
+  m.progress_prefix = "dattn run: ";
+  const RunReport report = measure(m);
   if (options.json)
     std::cout << to_json(report).dump() << '\n';
   else

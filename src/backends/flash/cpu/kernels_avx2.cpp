@@ -1,0 +1,86 @@
+// FLASH tile kernels for AVX2 + FMA + F16C (8 f32 lanes): K.Q^T micro-tiles of 6 keys x 16
+// query rows and P.V micro-tiles of 6 rows x 16 columns, 12 accumulators each.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "backends/flash/kernels.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace dattn::flash {
+namespace avx2_impl {
+
+struct Vec {
+  using reg = __m256;
+  static constexpr int W = 8;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float f) { return _mm256_set1_ps(f); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg r) { _mm256_storeu_ps(p, r); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg select_zero_if_neg_inf(reg x) {
+    const reg is_neg_inf =
+        _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    return _mm256_andnot_ps(is_neg_inf, x);
+  }
+  // 2^x for x <= 0: 2^n * p(f), n = round(x), f in [-1/2, 1/2], p the degree-6 Taylor
+  // polynomial of e^(f ln 2) (relative error < 2e-7); x < -126 (and -inf) gives 0.
+  static reg exp2_nonpositive(reg x) {
+    const reg lowest = _mm256_set1_ps(-126.0f);
+    const reg hidden = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lowest);
+    const reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const reg f = _mm256_sub_ps(x, n);
+    reg p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(hidden, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+  static reg load_bf16(const std::uint16_t* p) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static reg load_f16(const std::uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+};
+
+#include "backends/flash/cpu/tile_kernels_impl.hpp"
+
+}  // namespace avx2_impl
+
+namespace {
+constexpr TileKernels kKernels = avx2_impl::make_tile_kernels<avx2_impl::Vec>(Isa::avx2);
+}  // namespace
+
+const TileKernels& avx2_kernels() {
+  return kKernels;
+}
+
+}  // namespace dattn::flash
+
+#pragma GCC pop_options
+#else
+namespace dattn::flash {
+const TileKernels& avx2_kernels() {
+  return portable_kernels();
+}
+}  // namespace dattn::flash
+#endif

@@ -1,0 +1,86 @@
+// FLASH tile kernels for AVX-512 (16 f32 lanes): micro-tiles of 6 keys x 32 rows (K.Q^T)
+// and 6 rows x 32 columns (P.V).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "backends/flash/kernels.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+// GCC 12's AVX-512 headers trip its own uninitialized-value warnings (_mm512_undefined_*).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+
+namespace dattn::flash {
+namespace avx512_impl {
+
+struct Vec {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float f) { return _mm512_set1_ps(f); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg select_zero_if_neg_inf(reg x) {
+    const __mmask16 is_neg_inf =
+        _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(is_neg_inf, x, _mm512_setzero_ps());
+  }
+  // As in the AVX2 kernels, with vscalefps applying 2^n.
+  static reg exp2_nonpositive(reg x) {
+    const reg lowest = _mm512_set1_ps(-126.0f);
+    const __mmask16 visible = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lowest);
+    const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const reg f = _mm512_sub_ps(x, n);
+    reg p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(visible, p, n);
+  }
+  static reg load_bf16(const std::uint16_t* p) {
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static reg load_f16(const std::uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+
+#include "backends/flash/cpu/tile_kernels_impl.hpp"
+
+}  // namespace avx512_impl
+
+namespace {
+constexpr TileKernels kKernels = avx512_impl::make_tile_kernels<avx512_impl::Vec>(Isa::avx512);
+}  // namespace
+
+const TileKernels& avx512_kernels() {
+  return kKernels;
+}
+
+}  // namespace dattn::flash
+
+#pragma GCC pop_options
+#else
+namespace dattn::flash {
+const TileKernels& avx512_kernels() {
+  return portable_kernels();
+}
+}  // namespace dattn::flash
+#endif

@@ -1,0 +1,58 @@
+// FLASH tile kernels in portable C++ (one lane; the compiler may vectorise): the path for
+// machines without AVX2, and the baseline the ISA kernels are tested against.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "backends/flash/kernels.hpp"
+
+namespace dattn::flash {
+namespace portable_impl {
+
+struct Vec {
+  using reg = float;
+  static constexpr int W = 1;
+  static reg zero() { return 0.0f; }
+  static reg set1(float f) { return f; }
+  static reg load(const float* p) { return *p; }
+  static void store(float* p, reg r) { *p = r; }
+  static reg fma(reg a, reg b, reg c) { return std::fma(a, b, c); }
+  static reg mul(reg a, reg b) { return a * b; }
+  static reg add(reg a, reg b) { return a + b; }
+  static reg sub(reg a, reg b) { return a - b; }
+  static reg max(reg a, reg b) { return std::max(a, b); }
+  static reg select_zero_if_neg_inf(reg x) {
+    return x == -std::numeric_limits<float>::infinity() ? 0.0f : x;
+  }
+  static reg exp2_nonpositive(reg x) { return x < -126.0f ? 0.0f : std::exp2(x); }
+  static reg load_bf16(const std::uint16_t* p) { return bf16_to_f32(*p); }
+  static reg load_f16(const std::uint16_t* p) { return f16_to_f32(*p); }
+};
+
+#include "backends/flash/cpu/tile_kernels_impl.hpp"
+
+}  // namespace portable_impl
+
+namespace {
+constexpr TileKernels kKernels =
+    portable_impl::make_tile_kernels<portable_impl::Vec>(Isa::portable);
+}  // namespace
+
+const TileKernels& portable_kernels() {
+  return kKernels;
+}
+
+const TileKernels& kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return avx512_kernels();
+    case Isa::avx2:
+      return avx2_kernels();
+    case Isa::portable:
+      return portable_kernels();
+  }
+  return portable_kernels();
+}
+
+}  // namespace dattn::flash

@@ -1,0 +1,194 @@
+// The FLASH tile kernels written once over a SIMD vector type `V`, instantiated per ISA by
+// kernels_avx2.cpp, kernels_avx512.cpp (inside their target regions) and kernels_portable.cpp.
+// Include only from there, after the standard headers and inside a per-ISA namespace.
+//
+// V provides: reg, W (lanes), zero(), set1(f), load(p), store(p, r), fma(a, b, c) = a*b + c,
+// mul, add, sub, max, select_zero_if_neg_inf(x) (0 where x == -inf, else x),
+// exp2_nonpositive(r) (2^x for x <= 0; x < -126 and -inf give 0), and load_bf16(p) /
+// load_f16(p) converting W 16-bit values.
+
+// ST[j][r0..r0+2W) for MK keys starting at `k`.
+template <class V, int MK>
+inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
+                    std::int64_t ldst, int d) {
+  using R = typename V::reg;
+  R acc[MK][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MK; ++m) acc[m][0] = acc[m][1] = V::zero();
+  for (int e = 0; e < d; ++e) {
+    const R q0 = V::load(qt + e * ldqt), q1 = V::load(qt + e * ldqt + V::W);
+#pragma GCC unroll 8
+    for (int m = 0; m < MK; ++m) {
+      const R kb = V::set1(k[m * ldk + e]);
+      acc[m][0] = V::fma(kb, q0, acc[m][0]);
+      acc[m][1] = V::fma(kb, q1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MK; ++m) {
+    V::store(st + m * ldst, acc[m][0]);
+    V::store(st + m * ldst + V::W, acc[m][1]);
+  }
+}
+
+template <class V>
+void qk(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
+        std::int64_t ldst, int keys, int rows_p, int d) {
+  for (int r0 = 0; r0 < rows_p; r0 += 2 * V::W) {
+    int j = 0;
+    for (; j + 6 <= keys; j += 6)
+      qk_keys<V, 6>(k + j * ldk, ldk, qt + r0, ldqt, st + j * ldst + r0, ldst, d);
+    const float* kj = k + j * ldk;
+    float* sj = st + j * ldst + r0;
+    switch (keys - j) {
+      case 5:
+        qk_keys<V, 5>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
+        break;
+      case 4:
+        qk_keys<V, 4>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
+        break;
+      case 3:
+        qk_keys<V, 3>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
+        break;
+      case 2:
+        qk_keys<V, 2>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
+        break;
+      case 1:
+        qk_keys<V, 1>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+template <class V>
+void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                  float* alpha) {
+  using R = typename V::reg;
+  const R neg_inf = V::set1(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < rows_p; r += V::W) {
+    R mx0 = neg_inf, mx1 = neg_inf;
+    int j = 0;
+    for (; j + 2 <= keys; j += 2) {
+      mx0 = V::max(mx0, V::load(st + j * ldst + r));
+      mx1 = V::max(mx1, V::load(st + (j + 1) * ldst + r));
+    }
+    if (j < keys) mx0 = V::max(mx0, V::load(st + j * ldst + r));
+    const R m_old = V::load(m + r);
+    const R m_new = V::max(m_old, V::max(mx0, mx1));
+    // A row that has seen nothing keeps m = -inf; subtracting 0 instead keeps its
+    // probabilities at exp2(-inf) = 0 rather than NaN.
+    const R m_use = V::select_zero_if_neg_inf(m_new);
+    V::store(alpha + r, V::exp2_nonpositive(V::sub(m_old, m_use)));
+    V::store(m + r, m_new);
+    R sum0 = V::zero(), sum1 = V::zero();
+    j = 0;
+    // Two independent evaluations per step hide part of the polynomial's latency.
+    for (; j + 2 <= keys; j += 2) {
+      float* s0 = st + j * ldst + r;
+      float* s1 = s0 + ldst;
+      const R p0 = V::exp2_nonpositive(V::sub(V::load(s0), m_use));
+      const R p1 = V::exp2_nonpositive(V::sub(V::load(s1), m_use));
+      V::store(s0, p0);
+      V::store(s1, p1);
+      sum0 = V::add(sum0, p0);
+      sum1 = V::add(sum1, p1);
+    }
+    if (j < keys) {
+      float* s0 = st + j * ldst + r;
+      const R p0 = V::exp2_nonpositive(V::sub(V::load(s0), m_use));
+      V::store(s0, p0);
+      sum0 = V::add(sum0, p0);
+    }
+    V::store(l + r, V::fma(V::load(l + r), V::load(alpha + r), V::add(sum0, sum1)));
+  }
+}
+
+template <class V, int MR>
+inline void pv_rows(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
+                    std::int64_t ldo, const float* alpha, int keys, int dv) {
+  using R = typename V::reg;
+  for (int c = 0; c < dv; c += 2 * V::W) {
+    R acc[MR][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const R a = V::set1(alpha[r]);
+      acc[r][0] = V::mul(V::load(o + r * ldo + c), a);
+      acc[r][1] = V::mul(V::load(o + r * ldo + c + V::W), a);
+    }
+    const float* vj = v + c;
+    const float* pj = pt;
+    for (int j = 0; j < keys; ++j, vj += ldv, pj += ldpt) {
+      const R v0 = V::load(vj), v1 = V::load(vj + V::W);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const R w = V::set1(pj[r]);
+        acc[r][0] = V::fma(w, v0, acc[r][0]);
+        acc[r][1] = V::fma(w, v1, acc[r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      V::store(o + r * ldo + c, acc[r][0]);
+      V::store(o + r * ldo + c + V::W, acc[r][1]);
+    }
+  }
+}
+
+template <class V>
+void pv(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
+        std::int64_t ldo, const float* alpha, int rows, int keys, int dv) {
+  int r = 0;
+  for (; r + 6 <= rows; r += 6)
+    pv_rows<V, 6>(pt + r, ldpt, v, ldv, o + r * ldo, ldo, alpha + r, keys, dv);
+  const float* pr = pt + r;
+  float* orow = o + r * ldo;
+  const float* ar = alpha + r;
+  switch (rows - r) {
+    case 5:
+      return pv_rows<V, 5>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
+    case 4:
+      return pv_rows<V, 4>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
+    case 3:
+      return pv_rows<V, 3>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
+    case 2:
+      return pv_rows<V, 2>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
+    case 1:
+      return pv_rows<V, 1>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
+    default:
+      return;
+  }
+}
+
+template <class V>
+void load_row(const void* src, DType dtype, std::int64_t n, float scale, float* dst) {
+  using R = typename V::reg;
+  const R vs = V::set1(scale);
+  std::int64_t i = 0;
+  switch (dtype) {
+    case DType::F32: {
+      const auto* s = static_cast<const float*>(src);
+      for (; i + V::W <= n; i += V::W) V::store(dst + i, V::mul(V::load(s + i), vs));
+      break;
+    }
+    case DType::BF16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      for (; i + V::W <= n; i += V::W) V::store(dst + i, V::mul(V::load_bf16(s + i), vs));
+      break;
+    }
+    case DType::F16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      for (; i + V::W <= n; i += V::W) V::store(dst + i, V::mul(V::load_f16(s + i), vs));
+      break;
+    }
+    default:
+      break;
+  }
+  for (; i < n; ++i) dst[i] = load_as_f32(src, dtype, i) * scale;
+}
+
+template <class V>
+constexpr TileKernels make_tile_kernels(Isa isa) {
+  return TileKernels{isa, 2 * V::W, 2 * V::W, &qk<V>, &softmax_tile<V>, &pv<V>, &load_row<V>};
+}

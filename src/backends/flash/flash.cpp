@@ -1,0 +1,433 @@
+// FLASH: tiled online-softmax attention (the FlashAttention-2 algorithm) on the CPU.
+//
+// plan(): splits the problem's segments into work items (a block of query rows x the heads of
+// one GQA group, which share K/V tiles) and sizes the per-thread scratch.
+// run(): threads take work items; each packs its Q rows once (pre-scaled into log2 units), then
+// walks the key tiles its rows can see (causal/piecewise limits are per-row key prefixes; tiles
+// past every row's limit are never visited, tiles a mask hides entirely are skipped), packing
+// K transposed and V row-major, and calls the ISA kernels for Q.K^T, the softmax step and P.V.
+#include "backends/flash/flash.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <sstream>
+#include <variant>
+#include <vector>
+
+#include "backends/flash/kernels.hpp"
+#include "backends/flash/tile_plan.hpp"
+#include "dattn/errors.hpp"
+
+namespace dattn {
+
+namespace flash {
+namespace {
+
+using i64 = std::int64_t;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct WorkItem {
+  std::size_t segment;
+  i64 q0, q1;  // query rows
+  i64 h0, h1;  // query heads, inside one KV group
+};
+
+struct PaddingRows {
+  i64 batch, i0, i1;
+};
+
+class FlashPlan final : public Plan {
+ public:
+  FlashPlan(std::uint64_t signature, const TileKernels& tile_kernels)
+      : Plan(signature), kernels(tile_kernels) {}
+
+  std::string to_string() const override {
+    std::ostringstream os;
+    os << "FLASH plan: isa " << isa_name(kernels.isa) << ", " << items.size()
+       << " work items of up to " << block.rows_per_head << " rows x " << block.heads
+       << " heads, key tiles of " << kBlockKeys << ", " << threads << " thread(s), "
+       << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread";
+    return os.str();
+  }
+
+  const TileKernels& kernels;
+  RowBlock block{1, 1};
+  i64 dv_padded = 0;
+  int threads = 1;
+  std::vector<WorkItem> items;
+  std::vector<PaddingRows> padding;
+  std::size_t scratch_floats = 0;
+};
+
+// Per-thread scratch carved out of one buffer. Row strides are padded by kStridePad floats so
+// that walking a column of a tile does not land every row in the same few L1 sets (strides of
+// 512 B or 1 KiB cost the P.V and Q.K^T kernels 10-20% here).
+inline constexpr i64 kStridePad = 16;
+
+struct Scratch {
+  float *qt, *st, *o, *k, *v, *m, *l, *alpha, *row;
+  i64* kend;
+  i64 ld_rows, ld_o, ld_k, ld_v;  // strides of qt/st, o, k, v
+
+  static std::size_t floats(i64 rows_p, i64 d, i64 dvp) {
+    const i64 ld_rows = rows_p + kStridePad;
+    return std::size_t(d * ld_rows + kBlockKeys * ld_rows + rows_p * (dvp + kStridePad) +
+                       kBlockKeys * (d + kStridePad) + kBlockKeys * (dvp + kStridePad) +
+                       3 * rows_p + std::max(d, dvp));
+  }
+  static Scratch carve(float* base, i64* row_ends, i64 rows_p, i64 d, i64 dvp) {
+    Scratch s{};
+    s.ld_rows = rows_p + kStridePad;
+    s.ld_o = dvp + kStridePad;
+    s.ld_k = d + kStridePad;
+    s.ld_v = dvp + kStridePad;
+    float* p = base;
+    const auto take = [&p](i64 n) {
+      float* at = p;
+      p += n;
+      return at;
+    };
+    s.qt = take(d * s.ld_rows);
+    s.st = take(kBlockKeys * s.ld_rows);
+    s.o = take(rows_p * s.ld_o);
+    s.k = take(kBlockKeys * s.ld_k);
+    s.v = take(kBlockKeys * s.ld_v);
+    s.m = take(rows_p);
+    s.l = take(rows_p);
+    s.alpha = take(rows_p);
+    s.row = take(std::max(d, dvp));
+    s.kend = row_ends;
+    return s;
+  }
+};
+
+// One buffer per thread, grown when a plan needs more (so steady-state runs allocate nothing).
+struct ThreadBuffers {
+  float* floats;
+  i64* row_ends;
+};
+ThreadBuffers thread_buffers(std::size_t floats, std::size_t rows) {
+  thread_local std::vector<float> f;
+  thread_local std::vector<i64> r;
+  if (f.size() < floats) f.resize(floats);
+  if (r.size() < rows) r.resize(rows);
+  return {f.data(), r.data()};
+}
+
+bool key_kept(const MaskView& m, i64 b, i64 j) {
+  const TensorView& v = m.view;
+  return static_cast<const std::uint8_t*>(v.data())[b * v.stride(0) + j * v.stride(1)] != 0;
+}
+
+// f32 rows with a unit inner stride are read in place; others are converted per tile.
+bool readable_in_place(const TensorView& t, i64 width_align, i64 width) {
+  return t.dtype() == DType::F32 && t.stride(3) == 1 && width % width_align == 0;
+}
+
+class Worker {
+ public:
+  Worker(const AttentionProblem& p, const FlashPlan& plan) : p_(p), plan_(plan), kk_(plan.kernels) {
+    // laser_input_scale f: (q / f)(k / f)(scale f^2) = q k scale and (v / f) f = v, exactly
+    // for powers of two; in f32 nothing overflows, so the factor cancels out here.
+    qscale_ = static_cast<float>(p.softmax_scale * std::numbers::log2e);
+    k_in_place_ = readable_in_place(p.k, 1, p.d);
+    v_in_place_ = readable_in_place(p.v, kk_.col_align, p.dv);
+  }
+
+  void process(const WorkItem& w, const ThreadBuffers& buffers) const {
+    const Segment& seg = p_.segments[w.segment];
+    const i64 b = seg.batch, nq = w.q1 - w.q0, rows = nq * (w.h1 - w.h0);
+    const i64 rows_p = round_up(rows, kk_.row_align);
+    const i64 hk = w.h0 / p_.group_size();
+    const i64 d = p_.d, dvp = plan_.dv_padded;
+    Scratch s = Scratch::carve(buffers.floats, buffers.row_ends, rows_p, d, dvp);
+
+    // Each row sees a prefix [k_begin, kend) of the segment's keys (positions are linear).
+    i64 kmax = seg.k_begin, kmin = seg.k_end;
+    for (i64 r = 0; r < rows; ++r) {
+      const i64 i = w.q0 + r % nq;
+      const i64 limit = p_.key_position_limit(seg.q_pos0 + (i - seg.q_begin));
+      const i64 span = seg.k_end - seg.k_begin;
+      i64 visible = span;
+      if (limit != std::numeric_limits<i64>::max())
+        visible = std::clamp<i64>(limit - seg.k_pos0, 0, span);
+      if (p_.zero_masked_query_rows && !key_kept(p_.mask, b, i)) visible = 0;
+      s.kend[r] = seg.k_begin + visible;
+      kmax = std::max(kmax, s.kend[r]);
+      kmin = std::min(kmin, s.kend[r]);
+    }
+
+    pack_queries(w, s, b, rows);
+    std::fill(s.m, s.m + rows_p, kNegInf);
+    std::fill(s.l, s.l + rows_p, 0.0f);
+    std::fill(s.o, s.o + rows * s.ld_o, 0.0f);
+
+    for (i64 j0 = seg.k_begin; j0 < kmax; j0 += kBlockKeys) {
+      const i64 n = std::min(kBlockKeys, kmax - j0);
+      if (tile_hidden_by_mask(w, s, b, j0, n)) continue;
+      const float* kt = s.k;
+      i64 ldk = s.ld_k;
+      if (k_in_place_) {
+        kt = static_cast<const float*>(p_.k.data()) + b * p_.k.stride(0) + j0 * p_.k.stride(1) +
+             hk * p_.k.stride(2);
+        ldk = p_.k.stride(1);
+      } else {
+        convert_rows(p_.k, b, hk, j0, n, d, s.k, s.ld_k);
+      }
+      const float* vt = s.v;
+      i64 ldv = s.ld_v;
+      if (v_in_place_) {
+        vt = static_cast<const float*>(p_.v.data()) + b * p_.v.stride(0) + j0 * p_.v.stride(1) +
+             hk * p_.v.stride(2);
+        ldv = p_.v.stride(1);
+      } else {
+        convert_rows(p_.v, b, hk, j0, n, p_.dv, s.v, s.ld_v);
+      }
+      kk_.qk(kt, ldk, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d));
+      if (j0 + n > kmin || p_.mask.kind != MaskKind::none) hide(w, s, b, j0, n, rows);
+      kk_.softmax_tile(s.st, s.ld_rows, int(n), int(rows_p), s.m, s.l, s.alpha);
+      kk_.pv(s.st, s.ld_rows, vt, ldv, s.o, s.ld_o, s.alpha, int(rows), int(n), int(dvp));
+    }
+
+    for (i64 r = 0; r < rows; ++r) write_row(s, r, b, w.h0 + r / nq, w.q0 + r % nq);
+  }
+
+  void zero_rows(const PaddingRows& pr) const {
+    for (i64 i = pr.i0; i < pr.i1; ++i)
+      for (i64 h = 0; h < p_.hq; ++h) write_zero(pr.batch, h, i);
+  }
+
+ private:
+  // Q^T [d][rows_p], pre-scaled; padding rows zero.
+  void pack_queries(const WorkItem& w, const Scratch& s, i64 b, i64 rows) const {
+    const TensorView& q = p_.q;
+    const i64 d = p_.d, nq = w.q1 - w.q0;
+    for (i64 r = 0; r < rows; ++r) {
+      const i64 h = w.h0 + r / nq, i = w.q0 + r % nq;
+      load_elements(q, b * q.stride(0) + i * q.stride(1) + h * q.stride(2), d, qscale_, s.row);
+      for (i64 e = 0; e < d; ++e) s.qt[e * s.ld_rows + r] = s.row[e];
+    }
+    for (i64 e = 0; e < d; ++e)
+      std::fill(s.qt + e * s.ld_rows + rows, s.qt + (e + 1) * s.ld_rows, 0.0f);
+  }
+
+  // Rows [j0, j0 + n) of head hk of `t` as f32 into dst [n][ld], columns past `width` zero.
+  void convert_rows(const TensorView& t, i64 b, i64 hk, i64 j0, i64 n, i64 width, float* dst,
+                    i64 ld) const {
+    for (i64 jj = 0; jj < n; ++jj) {
+      load_elements(t, b * t.stride(0) + (j0 + jj) * t.stride(1) + hk * t.stride(2), width, 1.0f,
+                    dst + jj * ld);
+      std::fill(dst + jj * ld + width, dst + (jj + 1) * ld, 0.0f);
+    }
+  }
+
+  // Reads `n` elements along the last dim starting at element offset `base`, scaled.
+  void load_elements(const TensorView& t, i64 base, i64 n, float scale, float* dst) const {
+    if (t.stride(3) == 1) {
+      const auto* bytes =
+          static_cast<const std::byte*>(t.data()) + base * static_cast<i64>(dtype_size(t.dtype()));
+      kk_.load_row(bytes, t.dtype(), n, scale, dst);
+      return;
+    }
+    for (i64 e = 0; e < n; ++e)
+      dst[e] = load_as_f32(t.data(), t.dtype(), base + e * t.stride(3)) * scale;
+  }
+
+  // Sets the logits a row may not see to -inf (keys past its position limit, masked keys) and
+  // adds additive mask terms (in log2 units).
+  void hide(const WorkItem& w, const Scratch& s, i64 b, i64 j0, i64 n, i64 rows) const {
+    const i64 ld = s.ld_rows;
+    const i64 nq = w.q1 - w.q0;
+    const MaskView& mask = p_.mask;
+    const TensorView& m = mask.view;
+    for (i64 r = 0; r < rows; ++r) {
+      float* col = s.st + r;
+      const i64 visible = std::clamp<i64>(s.kend[r] - j0, 0, n);
+      for (i64 jj = visible; jj < n; ++jj) col[jj * ld] = kNegInf;
+      switch (mask.kind) {
+        case MaskKind::none:
+          break;
+        case MaskKind::keep_keys:
+          for (i64 jj = 0; jj < visible; ++jj)
+            if (!key_kept(mask, b, j0 + jj)) col[jj * ld] = kNegInf;
+          break;
+        case MaskKind::keep_dense:
+        case MaskKind::additive: {
+          const i64 h = w.h0 + r / nq, i = w.q0 + r % nq;
+          const i64 base = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j0 * m.stride(3);
+          const auto* bytes = static_cast<const std::uint8_t*>(m.data());
+          for (i64 jj = 0; jj < visible; ++jj) {
+            const i64 at = base + jj * m.stride(3);
+            if (mask.kind == MaskKind::keep_dense) {
+              if (bytes[at] == 0) col[jj * ld] = kNegInf;
+            } else {
+              col[jj * ld] += load_as_f32(m.data(), m.dtype(), at) * std::numbers::log2e_v<float>;
+            }
+          }
+          break;
+        }
+      }
+    }
+  }
+
+  // True when the mask hides every (row, key) of the tile that positions leave visible.
+  bool tile_hidden_by_mask(const WorkItem& w, const Scratch& s, i64 b, i64 j0, i64 n) const {
+    const MaskView& mask = p_.mask;
+    if (mask.kind == MaskKind::none) return false;
+    if (mask.kind == MaskKind::keep_keys) {
+      for (i64 jj = 0; jj < n; ++jj)
+        if (key_kept(mask, b, j0 + jj)) return false;
+      return true;
+    }
+    const TensorView& m = mask.view;
+    const i64 nq = w.q1 - w.q0, rows = nq * (w.h1 - w.h0);
+    for (i64 r = 0; r < rows; ++r) {
+      const i64 visible = std::clamp<i64>(s.kend[r] - j0, 0, n);
+      const i64 base = b * m.stride(0) + (w.h0 + r / nq) * m.stride(1) +
+                       (w.q0 + r % nq) * m.stride(2) + j0 * m.stride(3);
+      for (i64 jj = 0; jj < visible; ++jj) {
+        const i64 at = base + jj * m.stride(3);
+        if (mask.kind == MaskKind::keep_dense ? static_cast<const std::uint8_t*>(m.data())[at] != 0
+                                              : load_as_f32(m.data(), m.dtype(), at) != kNegInf)
+          return false;
+      }
+    }
+    return true;
+  }
+
+  void write_row(const Scratch& s, i64 r, i64 b, i64 h, i64 i) const {
+    const float l = s.l[r];
+    if (!(l > 0.0f)) {
+      write_zero(b, h, i);
+      return;
+    }
+    const TensorView& o = p_.out;
+    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
+    const float inv = 1.0f / l;
+    const float* src = s.o + r * s.ld_o;
+    for (i64 e = 0; e < p_.dv; ++e)
+      store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), src[e] * inv);
+    if (p_.lse)
+      lse_at(b, h, i) =
+          static_cast<float>((double(s.m[r]) + std::log2(double(l))) * std::numbers::ln2);
+  }
+
+  void write_zero(i64 b, i64 h, i64 i) const {
+    const TensorView& o = p_.out;
+    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
+    for (i64 e = 0; e < p_.dv; ++e)
+      store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), 0.0f);
+    if (p_.lse) lse_at(b, h, i) = kNegInf;
+  }
+
+  float& lse_at(i64 b, i64 h, i64 i) const {
+    const TensorView& l = *p_.lse;
+    return static_cast<float*>(l.data())[b * l.stride(0) + h * l.stride(1) + i * l.stride(2)];
+  }
+
+  const AttentionProblem& p_;
+  const FlashPlan& plan_;
+  const TileKernels& kk_;
+  float qscale_ = 1;
+  bool k_in_place_ = false, v_in_place_ = false;
+};
+
+class FlashImpl final : public Impl {
+ public:
+  FlashImpl(const Backend& backend, const ImplConfig& config) : Impl(backend, config) {
+    isa_ = process_isa();
+    if (const auto it = config.backend_kwargs.find("isa"); it != config.backend_kwargs.end()) {
+      const auto* name = std::get_if<std::string>(&it->second);
+      if (name == nullptr) throw InvalidArgument("isa", "backend option isa must be a string");
+      isa_ = parse_isa(*name, "isa");
+      const auto have = available_isas();
+      if (std::find(have.begin(), have.end(), isa_) == have.end())
+        throw NotAvailable("isa", "FLASH: ISA " + *name + " is not supported by this CPU");
+    }
+  }
+
+  std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
+    auto plan = std::make_unique<FlashPlan>(p.signature, kernels_for(isa_));
+    const i64 group = p.group_size();
+    plan->block = row_block(group);
+    plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
+    plan->threads = omp_get_max_threads();
+    for (std::size_t si = 0; si < p.segments.size(); ++si) {
+      const Segment& seg = p.segments[si];
+      for (i64 q0 = seg.q_begin; q0 < seg.q_end; q0 += plan->block.rows_per_head)
+        for (i64 hk = 0; hk < p.hkv; ++hk)
+          for (i64 h0 = hk * group; h0 < (hk + 1) * group; h0 += plan->block.heads)
+            plan->items.push_back({si, q0, std::min(seg.q_end, q0 + plan->block.rows_per_head), h0,
+                                   std::min((hk + 1) * group, h0 + plan->block.heads)});
+    }
+    // Rows outside every segment are padding.
+    for (i64 b = 0; b < p.batch; ++b) {
+      i64 next = 0;
+      for (const Segment& seg : p.segments) {
+        if (seg.batch != b) continue;
+        if (seg.q_begin > next) plan->padding.push_back({b, next, seg.q_begin});
+        next = std::max(next, seg.q_end);
+      }
+      if (next < p.sq) plan->padding.push_back({b, next, p.sq});
+    }
+    plan->scratch_floats = Scratch::floats(
+        round_up(plan->block.heads * plan->block.rows_per_head, plan->kernels.row_align), p.d,
+        plan->dv_padded);
+    return plan;
+  }
+
+ protected:
+  void run_cpu(const Plan& base, const AttentionProblem& p) const override {
+    const auto& plan = static_cast<const FlashPlan&>(base);
+    const Worker worker(p, plan);
+    for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
+    const auto count = static_cast<i64>(plan.items.size());
+    const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
+#pragma omp parallel num_threads(threads)
+    {
+      const ThreadBuffers buffers = thread_buffers(
+          plan.scratch_floats, std::size_t(plan.block.heads * plan.block.rows_per_head));
+#pragma omp for schedule(dynamic, 1)
+      for (i64 n = 0; n < count; ++n) worker.process(plan.items[std::size_t(n)], buffers);
+    }
+  }
+
+ private:
+  Isa isa_ = Isa::portable;
+};
+
+class FlashBackend final : public Backend {
+ public:
+  std::string name() const override { return "FLASH"; }
+  std::string description() const override {
+    return "tiled online-softmax attention with SIMD micro-kernels (" +
+           std::string(isa_name(process_isa())) + ")";
+  }
+  int priority() const override { return 100; }
+  bool accept_output_buffer() const override { return true; }
+  bool supports_piecewise_spans() const override { return true; }
+  bool supports_prefix_kv_slicing() const override { return true; }
+  bool supports_packed_mask_free() const override { return true; }
+  bool supports_multi_doc_packed_varlen() const override { return true; }
+  std::optional<std::vector<Platform>> supported_platforms() const override {
+    return std::vector<Platform>{Platform::cpu};
+  }
+  void validate_available() const override { (void)process_isa(); }
+  bool supports_attention_mask(const BackendOptions*) const override { return true; }
+  std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
+    return std::make_unique<FlashImpl>(*this, config);
+  }
+};
+
+}  // namespace
+}  // namespace flash
+
+std::shared_ptr<const Backend> make_flash_backend() {
+  return std::make_shared<flash::FlashBackend>();
+}
+
+}  // namespace dattn

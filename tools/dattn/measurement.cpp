@@ -1,0 +1,160 @@
+// Measuring one workload on one backend: inputs, warm-up, best of N timed calls, the error of a
+// sample of rows against REFERENCE, and the machine's peak. Shared by `dattn run` and
+// `dattn bench`.
+#include "measurement.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <limits>
+#include <vector>
+
+#include "dattn/attention.hpp"
+#include "dattn/cpu_info.hpp"
+
+namespace dattn::cli {
+
+namespace {
+
+using i64 = std::int64_t;
+
+// `view` as [B, S, H, E]: BSHD as it is, THD with a batch dim of 1 in front.
+TensorView as_bshd(const TensorView& view, QkvLayout layout) {
+  if (layout != QkvLayout::THD) return view;
+  const std::array<i64, 4> shape{1, view.size(0), view.size(1), view.size(2)};
+  const std::array<i64, 4> strides{0, view.stride(0), view.stride(1), view.stride(2)};
+  return TensorView(view.data(), view.dtype(), shape, strides, view.platform());
+}
+
+// Up to `count` of the rows [0, rows), spread evenly, the first and the last included.
+// Example: rows 333, count 4 -> 0, 111, 221, 332.
+std::vector<std::int32_t> sample_rows(i64 rows, i64 count) {
+  std::vector<std::int32_t> sample;
+  if (rows <= 0 || count <= 0) return sample;
+  if (count >= rows || count == 1) {
+    for (i64 i = 0; i < std::min(rows, count); ++i) sample.push_back(static_cast<std::int32_t>(i));
+    return sample;
+  }
+  for (i64 n = 0; n < count; ++n)
+    sample.push_back(static_cast<std::int32_t>((n * (rows - 1) + (count - 1) / 2) / (count - 1)));
+  sample.erase(std::unique(sample.begin(), sample.end()), sample.end());
+  return sample;
+}
+
+// Recomputes `rows` with REFERENCE and compares them with `out` (every batch item and head).
+RowCheck check_against_reference(const Workload& workload, DType dtype,
+                                 const WorkloadInputs& inputs, const TensorView& out, i64 rows) {
+  const std::vector<std::int32_t> sample = sample_rows(workload.output_rows(), rows);
+  Tensor rows_tensor = Tensor::empty({i64(sample.size())}, DType::I32);
+  std::copy(sample.begin(), sample.end(), rows_tensor.data_as<std::int32_t>());
+
+  AttentionConfig config = workload_attention_config(workload, dtype);
+  config.backend = "REFERENCE";
+  const Attention reference(config);
+  AttentionMetadata metadata = inputs.metadata;
+  metadata.extra.backend["reference_rows"] = rows_tensor.view();
+  const Tensor expected = Tensor::zeros(out.shape(), DType::F32);
+  reference.forward_into(inputs.q, inputs.k, inputs.v, metadata, expected.view());
+
+  const TensorView got = as_bshd(out, workload.layout());
+  const TensorView want = as_bshd(expected.view(), workload.layout());
+  double max_abs = 0, max_ref = 0;
+  for (i64 b = 0; b < got.size(0); ++b)
+    for (const std::int32_t row : sample)
+      for (i64 h = 0; h < got.size(2); ++h)
+        for (i64 e = 0; e < got.size(3); ++e) {
+          const std::array<i64, 4> index{b, row, h, e};
+          const double x = load_as_f32(got.element_ptr(index), got.dtype(), 0);
+          const double y = load_as_f32(want.element_ptr(index), want.dtype(), 0);
+          const double diff = std::fabs(x - y);
+          max_abs =
+              std::isnan(diff) ? std::numeric_limits<double>::infinity() : std::max(max_abs, diff);
+          max_ref = std::max(max_ref, std::fabs(y));
+        }
+  RowCheck check;
+  check.rows = i64(sample.size());
+  check.max_abs_err = max_abs;
+  check.max_rel_err = max_ref > 0 ? max_abs / max_ref : max_abs;
+  return check;
+}
+
+// Output buffer of `workload`: BSHD [B, J + Sq, Hq, D], THD [T, Hq, D].
+Tensor output_buffer(const Workload& w, DType dtype) {
+  if (w.layout() == QkvLayout::THD)
+    return Tensor::zeros({w.query_rows, w.heads, w.head_size}, dtype);
+  return Tensor::zeros({w.batch, w.output_rows(), w.heads, w.head_size}, dtype);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+void print_workloads(std::ostream& os) {
+  std::size_t width = 0;
+  for (const Workload& w : workloads()) width = std::max(width, w.name.size());
+  for (const Workload& w : workloads())
+    os << "  " << w.name << std::string(width - w.name.size() + 2, ' ') << w.description << '\n';
+}
+
+RunReport measure(const Measurement& m) {
+  const Workload& workload = m.workload;
+  const auto progress = [&m](const std::string& message) {
+    if (m.progress) std::cerr << m.progress_prefix << message << std::endl;
+  };
+  if (m.threads > 0) omp_set_num_threads(m.threads);
+  const int threads = omp_get_max_threads();
+
+  AttentionConfig config = workload_attention_config(workload, m.dtype);
+  config.backend = m.backend;
+  const Attention layer(config);
+
+  progress("building inputs of " + workload.name + "...");
+  const WorkloadInputs inputs = build_workload_inputs(workload, m.dtype, m.seed);
+  const Tensor out = output_buffer(workload, m.dtype);
+
+  progress("warm-up on " + layer.backend().name() + "...");
+  const Backend& ran =
+      layer.forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, out.view());
+  progress("timing " + std::to_string(m.reps) + " run(s)...");
+  double seconds = std::numeric_limits<double>::infinity();
+  for (int rep = 0; rep < std::max(m.reps, 1); ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    layer.forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, out.view());
+    seconds = std::min(seconds, seconds_since(start));
+  }
+
+  RunReport report;
+  if (m.check_rows > 0) {
+    progress("checking " + std::to_string(std::min(m.check_rows, workload.output_rows())) +
+             " rows against REFERENCE...");
+    report.check = check_against_reference(workload, m.dtype, inputs, out.view(), m.check_rows);
+  }
+
+  const PeakGflops peak = measure_peak_gflops(threads);
+  const bool half_precision = m.dtype != DType::F32 && peak.bf16_dot.has_value();
+  report.backend = ran.name();
+  report.selection = layer.selection().source;
+  report.workload = workload.name;
+  report.layout = std::string(qkv_layout_name(workload.layout()));
+  report.dtype = std::string(dtype_name(m.dtype));
+  report.threads = threads;
+  report.seed = m.seed;
+  report.reps = std::max(m.reps, 1);
+  report.shape = {workload.batch,    workload.query_rows, workload.key_rows,  workload.heads,
+                  workload.kv_heads, workload.head_size,  workload.joint_rows};
+  report.flops = attention_flops(workload);
+  report.seconds = seconds;
+  report.gflops = report.flops / seconds * 1e-9;
+  report.peak_gflops = half_precision ? *peak.bf16_dot : peak.f32_fma;
+  report.peak_kind = half_precision ? "bf16_dot" : "f32_fma";
+  report.efficiency = report.peak_gflops > 0 ? report.gflops / report.peak_gflops : 0.0;
+  return report;
+}
+
+}  // namespace dattn::cli

@@ -1,0 +1,33 @@
+// Measuring one workload on one backend, shared by `dattn run` and `dattn bench`.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+#include "dattn/dtype.hpp"
+#include "report.hpp"
+#include "workloads.hpp"
+
+namespace dattn::cli {
+
+struct Measurement {
+  Workload workload;
+  std::string backend = "auto";
+  DType dtype = DType::F32;
+  int threads = 0;  // 0 = OpenMP's default
+  int reps = 1;     // timed calls after one warm-up; the best counts
+  std::int64_t check_rows = 32;
+  std::uint64_t seed = 1;
+  bool progress = true;  // progress lines on stderr
+  std::string progress_prefix = "dattn: ";
+};
+
+// Builds the inputs, runs a warm-up and `reps` timed calls, checks a sample of rows against
+// REFERENCE and reports against the machine's measured peak.
+RunReport measure(const Measurement& m);
+
+// The workload table, one line each.
+void print_workloads(std::ostream& os);
+
+}  // namespace dattn::cli
