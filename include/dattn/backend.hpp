@@ -41,6 +41,8 @@ class Plan {
   virtual ~Plan() = default;
   std::uint64_t signature() const { return signature_; }
   virtual std::string to_string() const = 0;
+  // Scratch memory one thread uses while running the plan.
+  virtual std::size_t scratch_bytes_per_thread() const { return 0; }
 
  private:
   std::uint64_t signature_;

@@ -54,6 +54,11 @@ class FlashPlan final : public Plan {
     return os.str();
   }
 
+  std::size_t scratch_bytes_per_thread() const override {
+    return scratch_floats * sizeof(float) +
+           std::size_t(block.heads * block.rows_per_head) * sizeof(i64);
+  }
+
   const TileKernels& kernels;
   RowBlock block{1, 1};
   i64 dv_padded = 0;
@@ -356,10 +361,12 @@ class FlashImpl final : public Impl {
     plan->block = row_block(group);
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
     plan->threads = omp_get_max_threads();
+    // Items that read the same K/V (one segment, one KV head) are consecutive, so the threads
+    // working through them find that K/V in the shared cache.
     for (std::size_t si = 0; si < p.segments.size(); ++si) {
       const Segment& seg = p.segments[si];
-      for (i64 q0 = seg.q_begin; q0 < seg.q_end; q0 += plan->block.rows_per_head)
-        for (i64 hk = 0; hk < p.hkv; ++hk)
+      for (i64 hk = 0; hk < p.hkv; ++hk)
+        for (i64 q0 = seg.q_begin; q0 < seg.q_end; q0 += plan->block.rows_per_head)
           for (i64 h0 = hk * group; h0 < (hk + 1) * group; h0 += plan->block.heads)
             plan->items.push_back({si, q0, std::min(seg.q_end, q0 + plan->block.rows_per_head), h0,
                                    std::min((hk + 1) * group, h0 + plan->block.heads)});

@@ -1,0 +1,137 @@
+// FLASH-specific properties beyond the conformance suite: thread splits, plan reuse, scratch
+// size, ISA levels agreeing, the laser scale.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include "core/prepare_call.hpp"
+#include "dattn/attention.hpp"
+#include "dattn/errors.hpp"
+#include "dattn/registry.hpp"
+#include "test_inputs.hpp"
+
+namespace dattn {
+namespace {
+
+using i64 = std::int64_t;
+using testing::random_tensor;
+
+AttentionConfig flash_config(i64 hq, i64 hkv, i64 d, bool causal) {
+  AttentionConfig c;
+  c.num_heads = hq;
+  c.num_kv_heads = hkv;
+  c.head_size = d;
+  c.causal = causal;
+  c.backend = "FLASH";
+  return c;
+}
+
+TEST(Flash, IsThePlatformDefaultOnCpu) {
+  AttentionConfig c = flash_config(2, 2, 64, false);
+  c.backend = "";
+  if (const char* env = std::getenv("DIFFUSION_ATTENTION_BACKEND"); env && *env)
+    GTEST_SKIP() << "DIFFUSION_ATTENTION_BACKEND is set";
+  EXPECT_EQ(Attention(c).backend().name(), "FLASH");
+}
+
+TEST(Flash, OneAndTwoThreadsAreBitwiseEqual) {
+  auto q = random_tensor({2, 300, 4, 64}, DType::F32, 1),
+       k = random_tensor({2, 300, 1, 64}, DType::F32, 2),
+       v = random_tensor({2, 300, 1, 64}, DType::F32, 3);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const auto one = Attention(flash_config(4, 1, 64, true)).forward(q, k, v, {}, true);
+  omp_set_num_threads(2);
+  const auto two = Attention(flash_config(4, 1, 64, true)).forward(q, k, v, {}, true);
+  omp_set_num_threads(saved);
+  EXPECT_TRUE(testing::bitwise_equal(one.out, two.out));
+  EXPECT_TRUE(testing::bitwise_equal(*one.lse, *two.lse));
+}
+
+TEST(Flash, APlanRunsAgainOnNewDataOfTheSameShapes) {
+  const Attention layer(flash_config(2, 2, 80, true));
+  for (std::uint32_t seed : {10u, 20u, 30u}) {
+    auto q = random_tensor({1, 77, 2, 80}, DType::BF16, seed),
+         k = random_tensor({1, 77, 2, 80}, DType::BF16, seed + 1),
+         v = random_tensor({1, 77, 2, 80}, DType::BF16, seed + 2);
+    const auto reused = layer.forward(q, k, v, {}, true);
+    const auto fresh = Attention(flash_config(2, 2, 80, true)).forward(q, k, v, {}, true);
+    EXPECT_TRUE(testing::bitwise_equal(reused.out, fresh.out)) << seed;
+  }
+}
+
+TEST(Flash, ScratchPerThreadStaysWithin256KiBUpToHeadSize128) {
+  const auto backend = Registry::global().find("FLASH");
+  for (const auto& [hq, hkv] : {std::pair<i64, i64>{24, 24}, {28, 7}, {24, 1}})
+    for (i64 d : {32, 64, 80, 96, 128}) {
+      AttentionConfig c = flash_config(hq, hkv, d, false);
+      auto q = Tensor::empty({1, 1000, hq, d}, DType::BF16),
+           k = Tensor::empty({1, 1000, hkv, d}, DType::BF16);
+      Tensor out = Tensor::empty({1, 1000, hq, d}, DType::BF16);
+      const AttentionInputs in{q, k, k, nullptr, out, std::nullopt};
+      const auto call = detail::prepare_call(c, 0.1, hkv, in, {});
+      ImplConfig ic;
+      ic.num_heads = hq;
+      ic.num_kv_heads = hkv;
+      ic.head_size = d;
+      const auto plan = backend->make_impl(ic)->plan(call.problem);
+      EXPECT_LE(plan->scratch_bytes_per_thread(), 256u * 1024u)
+          << "H " << hq << ":" << hkv << " D " << d << ": " << plan->to_string();
+    }
+}
+
+TEST(Flash, EveryIsaLevelAgreesWithThePortableOne) {
+  auto q = random_tensor({1, 131, 4, 96}, DType::F16, 4),
+       k = random_tensor({1, 150, 2, 96}, DType::F16, 5),
+       v = random_tensor({1, 150, 2, 96}, DType::F16, 6);
+  AttentionConfig c = flash_config(4, 2, 96, true);
+  c.backend_options["isa"] = std::string("portable");
+  const auto base = Attention(c).forward(q, k, v, {}, true);
+  for (const char* isa : {"avx2", "avx512"}) {
+    c.backend_options["isa"] = std::string(isa);
+    try {
+      const auto got = Attention(c).forward(q, k, v, {}, true);
+      EXPECT_LE(testing::compare(got.out.view(), base.out.view()).max_abs, 2e-3) << isa;
+      EXPECT_LE(testing::compare(got.lse->view(), base.lse->view()).max_abs, 1e-4) << isa;
+    } catch (const NotAvailable&) {
+      // this CPU lacks the level
+    }
+  }
+  c.backend_options["isa"] = std::string("sse9");
+  EXPECT_THROW(Attention{c}, InvalidArgument);
+}
+
+TEST(Flash, LaserScaleOfAPowerOfTwoIsBitExact) {
+  auto q = random_tensor({1, 65, 2, 64}, DType::F32, 7, 30.0f),
+       k = random_tensor({1, 65, 2, 64}, DType::F32, 8, 30.0f),
+       v = random_tensor({1, 65, 2, 64}, DType::F32, 9);
+  const Attention layer(flash_config(2, 2, 64, true));
+  const auto plain = layer.forward(q, k, v, {}, true);
+  AttentionMetadata m;
+  m.extra.laser_input_scale = 16.0;
+  const auto scaled = layer.forward(q, k, v, m, true);
+  EXPECT_TRUE(testing::bitwise_equal(plain.out, scaled.out));
+  EXPECT_TRUE(testing::bitwise_equal(*plain.lse, *scaled.lse));
+}
+
+TEST(Flash, LargeLogitsAndFullyMaskedRowsNeverGiveNaN) {
+  // Logits of several thousand: the running max must keep exp2 in range.
+  auto q = random_tensor({1, 40, 1, 32}, DType::F32, 10, 40.0f),
+       k = random_tensor({1, 70, 1, 32}, DType::F32, 11, 40.0f),
+       v = random_tensor({1, 70, 1, 32}, DType::F32, 12);
+  Tensor mask = Tensor::empty({1, 1, 40, 70}, DType::F32);
+  for (i64 n = 0; n < mask.numel(); ++n)
+    mask.data_as<float>()[n] = (n / 70) % 3 == 0 ? -INFINITY : 0.0f;  // every third row hidden
+  AttentionMetadata m;
+  m.attn_mask = mask.view();
+  const auto got = Attention(flash_config(1, 1, 32, false)).forward(q, k, v, m, true);
+  AttentionConfig rc = flash_config(1, 1, 32, false);
+  rc.backend = "REFERENCE";
+  const auto want = Attention(rc).forward(q, k, v, m, true);
+  const auto d = testing::compare(got.out.view(), want.out.view());
+  EXPECT_FALSE(d.nan);
+  EXPECT_LE(d.normwise_rel, 1e-5);
+  EXPECT_EQ(got.lse->data_as<float>()[0], -INFINITY);
+}
+
+}  // namespace
+}  // namespace dattn
