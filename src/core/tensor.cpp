@@ -188,25 +188,42 @@ void copy_into(const TensorView& src, const TensorView& dst) {
         "shape", "copy from " + src.describe() + " into " + dst.describe() + ": shapes differ");
   if (src.platform() != Platform::cpu || dst.platform() != Platform::cpu)
     throw Unsupported("platform", "copy_into needs CPU tensors");
-  const std::int64_t n = src.numel();
-  if (n == 0) return;
+  if (src.numel() == 0) return;
+  if (src.ndim() == 0) {
+    store_from_f32(dst.data(), dst.dtype(), 0, load_as_f32(src.data(), src.dtype(), 0));
+    return;
+  }
+  // Row by row along the last dim: a memcpy when the dtypes match and both rows are
+  // contiguous, else element by element (float types through f32).
+  const int nd = src.ndim();
+  const std::int64_t width = src.size(nd - 1), ss = src.stride(nd - 1), ds = dst.stride(nd - 1);
+  const std::size_t es = dtype_size(src.dtype());
+  const bool same = src.dtype() == dst.dtype();
+  const bool rows_contiguous = same && (width == 1 || (ss == 1 && ds == 1));
   const bool as_float = is_float_input_dtype(dst.dtype()) || dst.dtype() == DType::FP8_E4M3;
   std::array<std::int64_t, TensorView::kMaxDims> idx{};
-  const int nd = src.ndim();
-  for (std::int64_t e = 0; e < n; ++e) {
+  const std::int64_t rows = src.numel() / width;
+  for (std::int64_t r = 0; r < rows; ++r) {
     std::int64_t so = 0, dof = 0;
-    for (int i = 0; i < nd; ++i) {
+    for (int i = 0; i < nd - 1; ++i) {
       so += idx[std::size_t(i)] * src.stride(i);
       dof += idx[std::size_t(i)] * dst.stride(i);
     }
-    if (as_float || src.dtype() != dst.dtype()) {
-      store_from_f32(dst.data(), dst.dtype(), dof, load_as_f32(src.data(), src.dtype(), so));
+    auto* dbytes = static_cast<std::byte*>(dst.data());
+    const auto* sbytes = static_cast<const std::byte*>(src.data());
+    if (rows_contiguous) {
+      std::memcpy(dbytes + dof * std::int64_t(es), sbytes + so * std::int64_t(es),
+                  std::size_t(width) * es);
+    } else if (same && !as_float) {
+      for (std::int64_t e = 0; e < width; ++e)
+        std::memcpy(dbytes + (dof + e * ds) * std::int64_t(es),
+                    sbytes + (so + e * ss) * std::int64_t(es), es);
     } else {
-      const std::size_t es = dtype_size(src.dtype());
-      std::memcpy(static_cast<std::byte*>(dst.data()) + dof * std::int64_t(es),
-                  static_cast<const std::byte*>(src.data()) + so * std::int64_t(es), es);
+      for (std::int64_t e = 0; e < width; ++e)
+        store_from_f32(dst.data(), dst.dtype(), dof + e * ds,
+                       load_as_f32(src.data(), src.dtype(), so + e * ss));
     }
-    for (int i = nd - 1; i >= 0; --i) {
+    for (int i = nd - 2; i >= 0; --i) {
       if (++idx[std::size_t(i)] < src.size(i)) break;
       idx[std::size_t(i)] = 0;
     }
