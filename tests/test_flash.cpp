@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <random>
+
+#include "backends/flash/kernels.hpp"
 #include "core/prepare_call.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/errors.hpp"
@@ -131,6 +134,40 @@ TEST(Flash, LargeLogitsAndFullyMaskedRowsNeverGiveNaN) {
   EXPECT_FALSE(d.nan);
   EXPECT_LE(d.normwise_rel, 1e-5);
   EXPECT_EQ(got.lse->data_as<float>()[0], -INFINITY);
+}
+
+}  // namespace
+}  // namespace dattn
+
+namespace dattn {
+namespace {
+
+TEST(FlashKernels, StoreRowRoundsLikeTheScalarConversions) {
+  std::vector<float> src;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 100.0f);
+  for (int n = 0; n < 4000; ++n) src.push_back(dist(rng));
+  // Ties, infinities, NaN, subnormals, the edges of f16.
+  for (float x : {1.0f + std::ldexp(1.0f, -8), 1.0f + 3 * std::ldexp(1.0f, -8), INFINITY, -INFINITY,
+                  NAN, 1e-40f, 65504.0f, 65520.0f, -0.0f, 3.0e-8f})
+    src.push_back(x);
+  for (flash::Isa isa : flash::available_isas()) {
+    const flash::TileKernels& k = flash::kernels_for(isa);
+    for (DType dt : {DType::BF16, DType::F16}) {
+      std::vector<std::uint16_t> got(src.size()), want(src.size());
+      k.store_row(src.data(), 1.0f, std::int64_t(src.size()), dt, got.data());
+      for (std::size_t n = 0; n < src.size(); ++n)
+        want[n] = dt == DType::BF16 ? f32_to_bf16(src[n]) : f32_to_f16(src[n]);
+      for (std::size_t n = 0; n < src.size(); ++n) {
+        if (std::isnan(src[n])) {
+          EXPECT_TRUE(std::isnan(load_as_f32(got.data(), dt, std::int64_t(n))));
+          continue;
+        }
+        ASSERT_EQ(got[n], want[n])
+            << flash::isa_name(isa) << " " << dtype_name(dt) << " " << src[n];
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -159,6 +159,10 @@ class Worker {
       kmin = std::min(kmin, s.kend[r]);
     }
 
+    // A key-padding mask usually hides a tail of keys: stop at the last kept one.
+    if (p_.mask.kind == MaskKind::keep_keys)
+      while (kmax > seg.k_begin && !key_kept(p_.mask, b, kmax - 1)) --kmax;
+
     pack_queries(w, s, b, rows);
     std::fill(s.m, s.m + rows_p, kNegInf);
     std::fill(s.l, s.l + rows_p, 0.0f);
@@ -174,7 +178,8 @@ class Worker {
       convert_rows(p_.k, b, hk, j0, n, d, s.k, s.ld_k);
       convert_rows(p_.v, b, hk, j0, n, p_.dv, s.v, s.ld_v);
       kk_.qk(s.k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d));
-      if (j0 + n > kmin || p_.mask.kind != MaskKind::none) hide(w, s, b, j0, n, rows);
+      if (j0 + n > kmin || p_.mask.kind != MaskKind::none)
+        hide(w, s, b, j0, n, rows, j0 + n > kmin);
       kk_.softmax_tile(s.st, s.ld_rows, int(n), int(rows_p), s.m, s.l, s.alpha);
       kk_.pv(s.st, s.ld_rows, s.v, s.ld_v, s.o, s.ld_o, s.alpha, int(rows), int(n), int(dvp));
     }
@@ -238,38 +243,32 @@ class Worker {
   }
 
   // Sets the logits a row may not see to -inf (keys past its position limit, masked keys) and
-  // adds additive mask terms (in log2 units).
-  void hide(const WorkItem& w, const Scratch& s, i64 b, i64 j0, i64 n, i64 rows) const {
-    const i64 ld = s.ld_rows;
-    const i64 nq = w.q1 - w.q0;
+  // adds additive mask terms (in log2 units). A key-padding mask hides whole rows of S^T.
+  void hide(const WorkItem& w, const Scratch& s, i64 b, i64 j0, i64 n, i64 rows,
+            bool positions_partial) const {
+    const i64 ld = s.ld_rows, nq = w.q1 - w.q0;
     const MaskView& mask = p_.mask;
+    if (mask.kind == MaskKind::keep_keys)
+      for (i64 jj = 0; jj < n; ++jj)
+        if (!key_kept(mask, b, j0 + jj)) std::fill(s.st + jj * ld, s.st + (jj + 1) * ld, kNegInf);
+    const bool dense = mask.kind == MaskKind::keep_dense || mask.kind == MaskKind::additive;
+    if (!positions_partial && !dense) return;
     const TensorView& m = mask.view;
     for (i64 r = 0; r < rows; ++r) {
       float* col = s.st + r;
       const i64 visible = std::clamp<i64>(s.kend[r] - j0, 0, n);
       for (i64 jj = visible; jj < n; ++jj) col[jj * ld] = kNegInf;
-      switch (mask.kind) {
-        case MaskKind::none:
-          break;
-        case MaskKind::keep_keys:
-          for (i64 jj = 0; jj < visible; ++jj)
-            if (!key_kept(mask, b, j0 + jj)) col[jj * ld] = kNegInf;
-          break;
-        case MaskKind::keep_dense:
-        case MaskKind::additive: {
-          const i64 h = w.h0 + r / nq, i = w.q0 + r % nq;
-          const i64 base = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j0 * m.stride(3);
-          const auto* bytes = static_cast<const std::uint8_t*>(m.data());
-          for (i64 jj = 0; jj < visible; ++jj) {
-            const i64 at = base + jj * m.stride(3);
-            if (mask.kind == MaskKind::keep_dense) {
-              if (bytes[at] == 0) col[jj * ld] = kNegInf;
-            } else {
-              col[jj * ld] += load_as_f32(m.data(), m.dtype(), at) * std::numbers::log2e_v<float>;
-            }
-          }
-          break;
-        }
+      if (!dense) continue;
+      const i64 h = w.h0 + r / nq, i = w.q0 + r % nq;
+      const i64 base = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j0 * m.stride(3);
+      if (mask.kind == MaskKind::keep_dense) {
+        const auto* bytes = static_cast<const std::uint8_t*>(m.data());
+        for (i64 jj = 0; jj < visible; ++jj)
+          if (bytes[base + jj * m.stride(3)] == 0) col[jj * ld] = kNegInf;
+      } else {
+        for (i64 jj = 0; jj < visible; ++jj)
+          col[jj * ld] += load_as_f32(m.data(), m.dtype(), base + jj * m.stride(3)) *
+                          std::numbers::log2e_v<float>;
       }
     }
   }
@@ -309,8 +308,13 @@ class Worker {
     const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
     const float inv = 1.0f / l;
     const float* src = s.o + r * s.ld_o;
-    for (i64 e = 0; e < p_.dv; ++e)
-      store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), src[e] * inv);
+    if (o.stride(3) == 1) {
+      kk_.store_row(src, inv, p_.dv, o.dtype(),
+                    static_cast<std::byte*>(o.data()) + base * i64(dtype_size(o.dtype())));
+    } else {
+      for (i64 e = 0; e < p_.dv; ++e)
+        store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), src[e] * inv);
+    }
     if (p_.lse)
       lse_at(b, h, i) =
           static_cast<float>((double(s.m[r]) + std::log2(double(l))) * std::numbers::ln2);

@@ -39,6 +39,9 @@ struct TileKernels {
              std::int64_t ldo, const float* alpha, int rows, int keys, int dv);
   // dst[0..n) = src[0..n) * scale for a contiguous row of f32, bf16 or f16.
   void (*load_row)(const void* src, DType dtype, std::int64_t n, float scale, float* dst);
+  // dst[0..n) = src[0..n) * scale rounded (to nearest even) to a contiguous f32, bf16 or f16
+  // row.
+  void (*store_row)(const float* src, float scale, std::int64_t n, DType dtype, void* dst);
 };
 
 const TileKernels& portable_kernels();

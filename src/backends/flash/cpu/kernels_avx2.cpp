@@ -60,6 +60,24 @@ struct Vec {
   static reg load_f16(const std::uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static void store_f16(std::uint16_t* p, reg r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // Round to nearest even: add 0x7fff + the lowest kept bit, keep the high half; NaN keeps a
+  // quiet NaN.
+  static void store_bf16(std::uint16_t* p, reg r) {
+    const __m256i u = _mm256_castps_si256(r);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
 };
 
 #include "backends/flash/cpu/tile_kernels_impl.hpp"

@@ -28,6 +28,8 @@ struct Vec {
   static reg exp2_nonpositive(reg x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static reg load_bf16(const std::uint16_t* p) { return bf16_to_f32(*p); }
   static reg load_f16(const std::uint16_t* p) { return f16_to_f32(*p); }
+  static void store_bf16(std::uint16_t* p, reg r) { *p = f32_to_bf16(r); }
+  static void store_f16(std::uint16_t* p, reg r) { *p = f32_to_f16(r); }
 };
 
 #include "backends/flash/cpu/tile_kernels_impl.hpp"

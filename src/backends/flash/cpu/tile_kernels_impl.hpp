@@ -4,8 +4,9 @@
 //
 // V provides: reg, W (lanes), zero(), set1(f), load(p), store(p, r), fma(a, b, c) = a*b + c,
 // mul, add, sub, max, select_zero_if_neg_inf(x) (0 where x == -inf, else x),
-// exp2_nonpositive(r) (2^x for x <= 0; x < -126 and -inf give 0), and load_bf16(p) /
-// load_f16(p) converting W 16-bit values.
+// exp2_nonpositive(r) (2^x for x <= 0; x < -126 and -inf give 0), load_bf16(p) /
+// load_f16(p) converting W 16-bit values, and store_bf16(p, r) / store_f16(p, r) rounding to
+// nearest even (NaN stays NaN).
 
 // ST[j][r0..r0+2W) for MK keys starting at `k`.
 template <class V, int MK>
@@ -189,6 +190,34 @@ void load_row(const void* src, DType dtype, std::int64_t n, float scale, float* 
 }
 
 template <class V>
+void store_row(const float* src, float scale, std::int64_t n, DType dtype, void* dst) {
+  using R = typename V::reg;
+  const R vs = V::set1(scale);
+  std::int64_t i = 0;
+  switch (dtype) {
+    case DType::F32: {
+      auto* d = static_cast<float*>(dst);
+      for (; i + V::W <= n; i += V::W) V::store(d + i, V::mul(V::load(src + i), vs));
+      break;
+    }
+    case DType::BF16: {
+      auto* d = static_cast<std::uint16_t*>(dst);
+      for (; i + V::W <= n; i += V::W) V::store_bf16(d + i, V::mul(V::load(src + i), vs));
+      break;
+    }
+    case DType::F16: {
+      auto* d = static_cast<std::uint16_t*>(dst);
+      for (; i + V::W <= n; i += V::W) V::store_f16(d + i, V::mul(V::load(src + i), vs));
+      break;
+    }
+    default:
+      break;
+  }
+  for (; i < n; ++i) store_from_f32(dst, dtype, i, src[i] * scale);
+}
+
+template <class V>
 constexpr TileKernels make_tile_kernels(Isa isa) {
-  return TileKernels{isa, 2 * V::W, 2 * V::W, &qk<V>, &softmax_tile<V>, &pv<V>, &load_row<V>};
+  return TileKernels{isa,    2 * V::W,     2 * V::W,     &qk<V>, &softmax_tile<V>,
+                     &pv<V>, &load_row<V>, &store_row<V>};
 }
