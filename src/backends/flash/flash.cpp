@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <numbers>
 #include <sstream>
 #include <variant>
@@ -34,6 +35,17 @@ struct WorkItem {
   std::size_t segment;
   i64 q0, q1;  // query rows
   i64 h0, h1;  // query heads, inside one KV group
+  // Split-KV: this item covers keys [k0, k1) of the segment and leaves its unnormalised
+  // (O, m, l) in partial slot `partial` for the merge; -1 = whole key range, writes the output.
+  i64 k0 = 0, k1 = std::numeric_limits<i64>::max();
+  i64 partial = -1;
+};
+
+// The split items of one query block, merged after they all ran.
+struct MergeGroup {
+  WorkItem rows;      // the query block (rows and heads)
+  i64 first_partial;  // its slots: [first_partial, first_partial + splits)
+  i64 splits;
 };
 
 struct PaddingRows {
@@ -51,6 +63,9 @@ class FlashPlan final : public Plan {
        << " work items of up to " << block.rows_per_head << " rows x " << block.heads
        << " heads, key tiles of " << kBlockKeys << ", " << threads << " thread(s), "
        << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread";
+    if (!merges.empty())
+      os << ", split-KV: " << merges.size() << " query blocks x " << merges[0].splits
+         << " key ranges";
     return os.str();
   }
 
@@ -66,6 +81,13 @@ class FlashPlan final : public Plan {
   std::vector<WorkItem> items;
   std::vector<PaddingRows> padding;
   std::size_t scratch_floats = 0;
+  // Split-KV, when there are fewer query blocks than threads: partial results of
+  // `partial_rows` rows x (dv + 2) floats per slot, merged by groups. Guarded by the mutex so
+  // that two concurrent runs of one plan do not share them.
+  std::vector<MergeGroup> merges;
+  i64 partial_rows = 0;
+  mutable std::vector<float> partials;
+  mutable std::mutex partials_mutex;
 };
 
 // Per-thread scratch carved out of one buffer. Row strides are padded by kStridePad floats so
@@ -162,13 +184,15 @@ class Worker {
     // A key-padding mask usually hides a tail of keys: stop at the last kept one.
     if (p_.mask.kind == MaskKind::keep_keys)
       while (kmax > seg.k_begin && !key_kept(p_.mask, b, kmax - 1)) --kmax;
+    const i64 k_first = std::max(seg.k_begin, w.k0);
+    kmax = std::min(kmax, w.k1);
 
     pack_queries(w, s, b, rows);
     std::fill(s.m, s.m + rows_p, kNegInf);
     std::fill(s.l, s.l + rows_p, 0.0f);
     std::fill(s.o, s.o + rows * s.ld_o, 0.0f);
 
-    for (i64 j0 = seg.k_begin; j0 < kmax; j0 += kBlockKeys) {
+    for (i64 j0 = k_first; j0 < kmax; j0 += kBlockKeys) {
       const i64 n = std::min(kBlockKeys, kmax - j0);
       if (tile_hidden_by_mask(w, s, b, j0, n)) continue;
       // K and V tiles are copied (converted to f32) into scratch with padded strides: reading
@@ -184,7 +208,45 @@ class Worker {
       kk_.pv(s.st, s.ld_rows, s.v, s.ld_v, s.o, s.ld_o, s.alpha, int(rows), int(n), int(dvp));
     }
 
-    for (i64 r = 0; r < rows; ++r) write_row(s, r, b, w.h0 + r / nq, w.q0 + r % nq);
+    if (w.partial >= 0) {
+      float* slot = plan_.partials.data() + w.partial * plan_.partial_rows * (p_.dv + 2);
+      for (i64 r = 0; r < rows; ++r) {
+        float* row = slot + r * (p_.dv + 2);
+        std::copy(s.o + r * s.ld_o, s.o + r * s.ld_o + p_.dv, row);
+        row[p_.dv] = s.m[r];
+        row[p_.dv + 1] = s.l[r];
+      }
+      return;
+    }
+    for (i64 r = 0; r < rows; ++r)
+      write_row(s.o + r * s.ld_o, s.m[r], s.l[r], b, w.h0 + r / nq, w.q0 + r % nq);
+  }
+
+  // Merges the split items of one query block (the LSE merge of SPEC §12 in log2 units):
+  // m = max m_s, l = sum l_s 2^(m_s - m), O = sum O_s 2^(m_s - m), written as O / l.
+  void merge(const MergeGroup& g, float* o) const {
+    const WorkItem& w = g.rows;
+    const Segment& seg = p_.segments[w.segment];
+    const i64 nq = w.q1 - w.q0, rows = nq * (w.h1 - w.h0), width = p_.dv + 2;
+    for (i64 r = 0; r < rows; ++r) {
+      float m = kNegInf;
+      for (i64 sp = 0; sp < g.splits; ++sp)
+        m = std::max(m, plan_.partials[std::size_t(
+                            ((g.first_partial + sp) * plan_.partial_rows + r) * width + p_.dv)]);
+      float l = 0.0f;
+      std::fill(o, o + p_.dv, 0.0f);
+      if (m != kNegInf) {
+        for (i64 sp = 0; sp < g.splits; ++sp) {
+          const float* row =
+              plan_.partials.data() + ((g.first_partial + sp) * plan_.partial_rows + r) * width;
+          if (row[p_.dv + 1] == 0.0f) continue;
+          const float f = std::exp2(row[p_.dv] - m);
+          l += row[p_.dv + 1] * f;
+          for (i64 e = 0; e < p_.dv; ++e) o[e] += row[e] * f;
+        }
+      }
+      write_row(o, m, l, seg.batch, w.h0 + r / nq, w.q0 + r % nq);
+    }
   }
 
   void zero_rows(const PaddingRows& pr) const {
@@ -294,8 +356,8 @@ class Worker {
     return true;
   }
 
-  void write_row(const Scratch& s, i64 r, i64 b, i64 h, i64 i) const {
-    const float l = s.l[r];
+  // Writes O / l (zeros when l is 0: the row saw no key) and the LSE m ln 2 + ln l.
+  void write_row(const float* o_row, float m, float l, i64 b, i64 h, i64 i) const {
     if (!(l > 0.0f)) {
       write_zero(b, h, i);
       return;
@@ -303,17 +365,15 @@ class Worker {
     const TensorView& o = p_.out;
     const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
     const float inv = 1.0f / l;
-    const float* src = s.o + r * s.ld_o;
     if (o.stride(3) == 1) {
-      kk_.store_row(src, inv, p_.dv, o.dtype(),
+      kk_.store_row(o_row, inv, p_.dv, o.dtype(),
                     static_cast<std::byte*>(o.data()) + base * i64(dtype_size(o.dtype())));
     } else {
       for (i64 e = 0; e < p_.dv; ++e)
-        store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), src[e] * inv);
+        store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), o_row[e] * inv);
     }
     if (p_.lse)
-      lse_at(b, h, i) =
-          static_cast<float>((double(s.m[r]) + std::log2(double(l))) * std::numbers::ln2);
+      lse_at(b, h, i) = static_cast<float>((double(m) + std::log2(double(l))) * std::numbers::ln2);
   }
 
   void write_zero(i64 b, i64 h, i64 i) const {
@@ -365,6 +425,37 @@ class FlashImpl final : public Impl {
             plan->items.push_back({si, q0, std::min(seg.q_end, q0 + plan->block.rows_per_head), h0,
                                    std::min((hk + 1) * group, h0 + plan->block.heads)});
     }
+    // Split-KV: with fewer query blocks than threads, each block's key range is cut into up
+    // to `threads` ranges of whole tiles, run in parallel and merged.
+    if (plan->threads > 1 && static_cast<i64>(plan->items.size()) < plan->threads) {
+      std::vector<WorkItem> split;
+      for (const WorkItem& w : plan->items) {
+        const Segment& seg = p.segments[w.segment];
+        const i64 tiles = (seg.k_end - seg.k_begin + kBlockKeys - 1) / kBlockKeys;
+        const i64 splits = std::min<i64>(plan->threads, tiles);
+        if (splits <= 1) {
+          split.push_back(w);
+          continue;
+        }
+        const i64 slot0 = plan->merges.empty()
+                              ? 0
+                              : plan->merges.back().first_partial + plan->merges.back().splits;
+        plan->merges.push_back({w, slot0, splits});
+        for (i64 sp = 0; sp < splits; ++sp) {
+          WorkItem part = w;
+          part.k0 = seg.k_begin + tiles * sp / splits * kBlockKeys;
+          part.k1 = seg.k_begin + tiles * (sp + 1) / splits * kBlockKeys;
+          part.partial = slot0 + sp;
+          split.push_back(part);
+        }
+      }
+      plan->items = std::move(split);
+      if (!plan->merges.empty()) {
+        plan->partial_rows = plan->block.heads * plan->block.rows_per_head;
+        const i64 slots = plan->merges.back().first_partial + plan->merges.back().splits;
+        plan->partials.assign(std::size_t(slots * plan->partial_rows * (p.dv + 2)), 0.0f);
+      }
+    }
     // Rows outside every segment are padding.
     for (i64 b = 0; b < p.batch; ++b) {
       i64 next = 0;
@@ -388,12 +479,17 @@ class FlashImpl final : public Impl {
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
     const auto count = static_cast<i64>(plan.items.size());
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
+    std::unique_lock<std::mutex> partials_lock(plan.partials_mutex, std::defer_lock);
+    if (!plan.merges.empty()) partials_lock.lock();
+    const auto merges = static_cast<i64>(plan.merges.size());
 #pragma omp parallel num_threads(threads)
     {
       const ThreadBuffers buffers = thread_buffers(
           plan.scratch_floats, std::size_t(plan.block.heads * plan.block.rows_per_head));
 #pragma omp for schedule(dynamic, 1)
       for (i64 n = 0; n < count; ++n) worker.process(plan.items[std::size_t(n)], buffers);
+#pragma omp for schedule(dynamic, 1)
+      for (i64 g = 0; g < merges; ++g) worker.merge(plan.merges[std::size_t(g)], buffers.floats);
     }
   }
 
