@@ -82,9 +82,11 @@ std::vector<Workload> make_workloads() {
   Workload hunyuan;
   hunyuan.name = "hunyuan-720p";
   hunyuan.description =
-      "HunyuanVideo 720x1280, 129 frames: 256 joint text rows + 33x45x80 video rows (memory)";
-  hunyuan.joint_rows = 256;
-  hunyuan.query_rows = hunyuan.key_rows = 33 * 45 * 80;
+      "HunyuanVideo 720x1280, 129 frames: [256 text | 33x45x80 video] rows in one sequence";
+  // The text rows are packed in front of the video rows (the one-tail VideoTokenLayout), as
+  // HunyuanVideo's single-stream blocks do; 119056 rows in all.
+  hunyuan.query_rows = hunyuan.key_rows = 256 + 33 * 45 * 80;
+  hunyuan.video_layout = VideoTokenLayout{256, LatentGrid{33, 45, 80}, std::nullopt, {}};
   hunyuan.heads = hunyuan.kv_heads = 24;
   hunyuan.head_size = 128;
   table.push_back(hunyuan);

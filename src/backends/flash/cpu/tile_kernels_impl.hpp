@@ -106,59 +106,75 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
   }
 }
 
+// O[r][c..c+2W) for MR rows: one column chunk of P.V.
 template <class V, int MR>
 inline void pv_rows(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
-                    std::int64_t ldo, const float* alpha, int keys, int dv) {
+                    std::int64_t ldo, const float* alpha, int keys) {
   using R = typename V::reg;
-  for (int c = 0; c < dv; c += 2 * V::W) {
-    R acc[MR][2];
+  R acc[MR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const R a = V::set1(alpha[r]);
+    acc[r][0] = V::mul(V::load(o + r * ldo), a);
+    acc[r][1] = V::mul(V::load(o + r * ldo + V::W), a);
+  }
+  const float* vj = v;
+  const float* pj = pt;
+  for (int j = 0; j < keys; ++j, vj += ldv, pj += ldpt) {
+    const R v0 = V::load(vj), v1 = V::load(vj + V::W);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const R a = V::set1(alpha[r]);
-      acc[r][0] = V::mul(V::load(o + r * ldo + c), a);
-      acc[r][1] = V::mul(V::load(o + r * ldo + c + V::W), a);
+      const R w = V::set1(pj[r]);
+      acc[r][0] = V::fma(w, v0, acc[r][0]);
+      acc[r][1] = V::fma(w, v1, acc[r][1]);
     }
-    const float* vj = v + c;
-    const float* pj = pt;
-    for (int j = 0; j < keys; ++j, vj += ldv, pj += ldpt) {
-      const R v0 = V::load(vj), v1 = V::load(vj + V::W);
+  }
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const R w = V::set1(pj[r]);
-        acc[r][0] = V::fma(w, v0, acc[r][0]);
-        acc[r][1] = V::fma(w, v1, acc[r][1]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      V::store(o + r * ldo + c, acc[r][0]);
-      V::store(o + r * ldo + c + V::W, acc[r][1]);
-    }
+  for (int r = 0; r < MR; ++r) {
+    V::store(o + r * ldo, acc[r][0]);
+    V::store(o + r * ldo + V::W, acc[r][1]);
   }
 }
 
+// Column chunks outer, row blocks inner: the chunk's slice of V (keys x 2W floats) stays in
+// L1 while every row block uses it. Rows come in blocks of 6, the remainder in blocks of 4 and
+// fewer so that no block is left with too few accumulators to hide the FMA latency.
 template <class V>
 void pv(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
         std::int64_t ldo, const float* alpha, int rows, int keys, int dv) {
-  int r = 0;
-  for (; r + 6 <= rows; r += 6)
-    pv_rows<V, 6>(pt + r, ldpt, v, ldv, o + r * ldo, ldo, alpha + r, keys, dv);
-  const float* pr = pt + r;
-  float* orow = o + r * ldo;
-  const float* ar = alpha + r;
-  switch (rows - r) {
-    case 5:
-      return pv_rows<V, 5>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
-    case 4:
-      return pv_rows<V, 4>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
-    case 3:
-      return pv_rows<V, 3>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
-    case 2:
-      return pv_rows<V, 2>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
-    case 1:
-      return pv_rows<V, 1>(pr, ldpt, v, ldv, orow, ldo, ar, keys, dv);
-    default:
-      return;
+  int sixes = rows / 6;
+  if (rows % 6 == 2 && sixes > 0) --sixes;  // 6k + 2 = 6(k - 1) + 4 + 4
+  for (int c = 0; c < dv; c += 2 * V::W) {
+    int r = 0;
+    for (int n = 0; n < sixes; ++n, r += 6)
+      pv_rows<V, 6>(pt + r, ldpt, v + c, ldv, o + r * ldo + c, ldo, alpha + r, keys);
+    while (r < rows) {
+      const float* pr = pt + r;
+      float* orow = o + r * ldo + c;
+      const float* ar = alpha + r;
+      switch (rows - r) {
+        case 1:
+          pv_rows<V, 1>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
+          r += 1;
+          break;
+        case 2:
+          pv_rows<V, 2>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
+          r += 2;
+          break;
+        case 3:
+          pv_rows<V, 3>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
+          r += 3;
+          break;
+        case 5:
+          pv_rows<V, 5>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
+          r += 5;
+          break;
+        default:  // 4, or 8 = 4 + 4
+          pv_rows<V, 4>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
+          r += 4;
+          break;
+      }
+    }
   }
 }
 
