@@ -1,12 +1,12 @@
 // The per-ISA hot loops of the FLASH backend. The driver (flash.cpp) packs tiles and keeps the
 // online-softmax state; these functions do the arithmetic on f32 tiles.
 //
-// The logits are computed transposed, S^T = K . Q^T, so that K and V are read row-major
-// straight from the caller's tensors when they are f32 (no transposition of K per tile), and
-// the softmax runs across query rows in SIMD lanes with no horizontal reductions.
+// The logits are computed transposed, S^T = K . Q^T, so that K and V tiles stay row-major
+// (converting a tile is a copy, never a transposition) and the softmax runs across query rows
+// in SIMD lanes with no horizontal reductions.
 //
 // Layout contracts (all f32, row-major, strides in floats):
-//   K   [keys][d]        key rows (the caller's tensor or a converted tile)
+//   K   [keys][d]        key rows of one tile, converted to f32
 //   QT  [d][rows_p]      query rows transposed, pre-scaled by softmax_scale * log2(e);
 //                        rows_p a multiple of row_align, padding rows zero
 //   ST  [keys][rows_p]   logits in log2 units (-inf = hidden), then probabilities
