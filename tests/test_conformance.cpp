@@ -216,6 +216,12 @@ std::vector<Case> scenarios() {
          in.meta.attn_mask = in.hold(testing::bool_tensor({2, sq.skv}, seed, 0.8));
          in.meta.joint_attn_mask = in.hold(testing::bool_tensor({2, 5}, seed + 1, 0.6));
        }});
+  c.push_back(
+      {"ValueHeadSizeDiffers", [](Inputs& in, const Shape& s, DType dt, std::uint32_t seed) {
+         dense(in, s, dt, seed);
+         in.v = in.padded({2, s.skv, s.hkv, s.d / 2 + 3}, dt, seed + 2);
+         in.config.causal = true;
+       }});
   c.push_back({"LaserScale", [](Inputs& in, const Shape& s, DType dt, std::uint32_t seed) {
                  dense(in, s, dt, seed);
                  in.meta.extra.laser_input_scale = 8.0;
@@ -286,13 +292,23 @@ struct Param {
 };
 
 std::vector<Param> params() {
-  const std::vector<Shape> shapes{{64, 4, 1, 59, 97}, {80, 2, 2, 113, 113}, {128, 4, 1, 61, 61}};
+  // Every dtype at the common head sizes; an odd head size (no multiple of any SIMD width)
+  // with GQA 3:1 in f32.
+  struct ShapeDtypes {
+    Shape shape;
+    std::vector<DType> dtypes;
+  };
+  const std::vector<ShapeDtypes> shapes{
+      {{64, 4, 1, 59, 97}, {DType::F32, DType::BF16, DType::F16}},
+      {{80, 2, 2, 113, 113}, {DType::F32, DType::BF16, DType::F16}},
+      {{128, 4, 1, 61, 61}, {DType::F32, DType::BF16, DType::F16}},
+      {{59, 3, 1, 37, 71}, {DType::F32}}};
   std::vector<Param> out;
   for (const auto& b : Registry::global().all())
     for (const Case& sc : scenarios())
-      for (std::size_t si = 0; si < shapes.size(); ++si)
-        for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
-          const Shape& s = shapes[si];
+      for (const ShapeDtypes& sd : shapes)
+        for (DType dt : sd.dtypes) {
+          const Shape& s = sd.shape;
           const std::string name = b->name() + "_" + sc.name + "_D" + std::to_string(s.d) + "_H" +
                                    std::to_string(s.hq) + "x" + std::to_string(s.hkv) + "_" +
                                    std::string(dtype_name(dt));
