@@ -1,11 +1,13 @@
 // FLASH: tiled online-softmax attention (the FlashAttention-2 algorithm) on the CPU.
 //
 // plan(): splits the problem's segments into work items (a block of query rows x the heads of
-// one GQA group, which share K/V tiles) and sizes the per-thread scratch.
-// run(): threads take work items; each packs its Q rows once (pre-scaled into log2 units), then
-// walks the key tiles its rows can see (causal/piecewise limits are per-row key prefixes; tiles
-// past every row's limit are never visited, tiles a mask hides entirely are skipped), packing
-// K transposed and V row-major, and calls the ISA kernels for Q.K^T, the softmax step and P.V.
+// one GQA group, which share K/V tiles), splits key ranges when there are fewer items than
+// threads, and sizes the per-thread scratch.
+// run(): threads take work items; each packs its Q rows once (transposed, pre-scaled into log2
+// units), then walks the key tiles its rows can see (causal/piecewise limits are per-row key
+// prefixes; tiles past every row's limit are never visited, tiles a mask hides entirely are
+// skipped), converting K and V tiles to f32 rows, and calls the ISA kernels for K.Q^T, the
+// softmax step and P.V; split items are merged by LSE at the end.
 #include "backends/flash/flash.hpp"
 
 #include <omp.h>
@@ -222,8 +224,9 @@ class Worker {
       write_row(s.o + r * s.ld_o, s.m[r], s.l[r], b, w.h0 + r / nq, w.q0 + r % nq);
   }
 
-  // Merges the split items of one query block (the LSE merge of SPEC §12 in log2 units):
+  // Merges the split items of one query block, the LSE merge of SPEC §12 in log2 units:
   // m = max m_s, l = sum l_s 2^(m_s - m), O = sum O_s 2^(m_s - m), written as O / l.
+  // `o` is scratch for dv floats.
   void merge(const MergeGroup& g, float* o) const {
     const WorkItem& w = g.rows;
     const Segment& seg = p_.segments[w.segment];
