@@ -117,4 +117,18 @@ if(NOT BADMETA_ERR MATCHES "casual" OR NOT BADMETA_ERR MATCHES "softmax_scale")
                       "${BADMETA_ERR}")
 endif()
 
+# ---- dattn bench: one JSON line per combination, and an SVG chart ----
+run_dattn(BENCH bench --workload small --backend flash --backend reference --reps 1
+          --check-rows 4 --json --svg "${WORKDIR}/bench.svg")
+expect_success(BENCH "dattn bench")
+string(REGEX MATCHALL "\"backend\":\"[A-Z]+\"" bench_backends "${BENCH_OUT}")
+if(NOT bench_backends STREQUAL "\"backend\":\"FLASH\";\"backend\":\"REFERENCE\"")
+  message(FATAL_ERROR "dattn bench --json should print a FLASH and a REFERENCE line, got:\n"
+                      "${BENCH_OUT}")
+endif()
+file(READ "${WORKDIR}/bench.svg" bench_svg)
+if(NOT bench_svg MATCHES "^<svg" OR NOT bench_svg MATCHES "FLASH")
+  message(FATAL_ERROR "dattn bench --svg wrote no chart")
+endif()
+
 message(STATUS "cli_smoke: all checks passed")
