@@ -66,12 +66,34 @@ struct Segment {
   bool operator==(const Segment&) const = default;
 };
 
+// Joint (text) rows attached to Q, K and V without a copy (SPEC §4): row i of the
+// concatenation is joint row i (front) or local row i (rear) for i below the first part's
+// length, and a row of the other part after it.
+struct JointRows {
+  TensorView q, k, v;  // [B, J, Hq, D], [B, J, Hkv, D], [B, J, Hkv, Dv]
+  bool front = true;
+  std::int64_t rows() const { return q.size(1); }
+};
+
+// Row `row` of tensor `view`: where one row of the concatenation lives.
+struct RowRef {
+  const TensorView* view;
+  std::int64_t row;
+};
+
 struct AttentionProblem {
-  // Shapes. Q [B, Sq, Hq, D], K [B, Skv, Hkv, D], V [B, Skv, Hkv, Dv], out [B, Sq, Hq, Dv],
-  // lse f32 [B, Hq, Sq]; all strided views, whatever layout the caller used.
+  // Shapes, joint rows included: Q [B, Sq, Hq, D], K [B, Skv, Hkv, D], V [B, Skv, Hkv, Dv],
+  // out [B, Sq, Hq, Dv], lse f32 [B, Hq, Sq]. q, k and v hold the caller's own rows
+  // (Sq - J and Skv - J of them); read rows through q_row/k_row/v_row, which also find the
+  // joint ones. All strided views, whatever layout the caller used.
   std::int64_t batch = 0, sq = 0, skv = 0, hq = 0, hkv = 0, d = 0, dv = 0;
   TensorView q, k, v, out;
+  std::optional<JointRows> joint;
   std::optional<TensorView> lse;
+
+  RowRef q_row(std::int64_t i) const { return locate(q, joint ? &joint->q : nullptr, i); }
+  RowRef k_row(std::int64_t j) const { return locate(k, joint ? &joint->k : nullptr, j); }
+  RowRef v_row(std::int64_t j) const { return locate(v, joint ? &joint->v : nullptr, j); }
 
   double softmax_scale = 1.0;
   PositionRule position_rule = PositionRule::full;
@@ -104,6 +126,15 @@ struct AttentionProblem {
     return pos_q + 1;
   }
   std::string describe() const;
+
+ private:
+  RowRef locate(const TensorView& local, const TensorView* joint_part, std::int64_t i) const {
+    if (joint_part == nullptr) return {&local, i};
+    const std::int64_t first = joint->front ? joint_part->size(1) : local.size(1);
+    const TensorView* head = joint->front ? joint_part : &local;
+    const TensorView* tail = joint->front ? &local : joint_part;
+    return i < first ? RowRef{head, i} : RowRef{tail, i - first};
+  }
 };
 
 }  // namespace dattn

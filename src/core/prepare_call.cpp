@@ -141,6 +141,9 @@ std::uint64_t problem_signature(const AttentionProblem& p) {
   std::uint64_t h = 0x5d1a77e5ULL;
   for (i64 v : {p.batch, p.sq, p.skv, p.hq, p.hkv, p.d, p.dv}) h = mix(h, std::uint64_t(v));
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out}) h = view_signature(h, *t);
+  h = mix(h, p.joint ? (p.joint->front ? 2 : 1) : 0);
+  if (p.joint)
+    for (const TensorView* t : {&p.joint->q, &p.joint->k, &p.joint->v}) h = view_signature(h, *t);
   h = mix(h, p.lse ? 1 : 0);
   h = mix(h, std::uint64_t(std::bit_cast<std::uint64_t>(p.softmax_scale)));
   h = mix(h, std::uint64_t(p.position_rule));
@@ -232,7 +235,9 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
         invalid(names[i], "expected [" + std::to_string(e[0]) + ", " + std::to_string(joint.rows) +
                               ", " + std::to_string(e[1]) + ", " + std::to_string(e[2]) +
                               "] (BSHD order), got " + t.describe());
-      if (options.materialize) require_host(t, names[i]);
+      if (t.platform() != q.platform())
+        invalid(names[i], std::string("lives on ") + std::string(platform_name(t.platform())) +
+                              " but query lives on " + std::string(platform_name(q.platform())));
     }
     if (extra.cu_seqlens_q || extra.cu_seqlens_k)
       invalid("joint_query", "joint tokens cannot be combined with packed cu_seqlens");
@@ -488,7 +493,7 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
     p.laser_input_scale = f;
   }
 
-  // ---- materialise joint concatenation and merged masks ----
+  // ---- the problem: shapes, joint rows, merged masks ----
   p.batch = batch;
   p.sq = sq;
   p.skv = skv;
@@ -503,23 +508,11 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
   p.backend_options = &extra.backend;
   if (lse) p.features.add(Feature::lse_output);
 
-  const auto concat = [&](const TensorView& local, const TensorView& joint_part, i64 total) {
-    const std::array<i64, 4> shape{batch, total, local.size(2), local.size(3)};
-    Tensor t = Tensor::empty(shape, local.dtype());
-    copy_into(joint_part, t.view().sliced(1, front ? 0 : total - J, J));
-    copy_into(local, t.view().sliced(1, front ? J : 0, total - J));
-    call.owned.push_back(t);
-    return t.view();
-  };
-  if (J > 0 && options.materialize) {
-    p.q = concat(q, joint.q, sq);
-    p.k = concat(k, joint.k, skv);
-    p.v = concat(v, joint.v, skv);
-  } else {
-    p.q = q;
-    p.k = k;
-    p.v = v;
-  }
+  // Joint rows stay in the caller's tensors; the problem reads them through q_row/k_row/v_row.
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  if (J > 0) p.joint = JointRows{joint.q, joint.k, joint.v, front};
 
   if (!mask_skipped && (keep_keys_local || meta.joint_attn_mask)) {
     p.features.add(Feature::attention_mask);

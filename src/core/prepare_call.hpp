@@ -12,14 +12,14 @@ namespace dattn::detail {
 struct PrepareOptions {
   // Backends without supports_packed_mask_free ignore packed_padding (SPEC §6).
   bool honour_packed_padding = true;
-  // false: validate only; no joint concatenation is copied and the problem's views are those
-  // of the caller (used to validate before any parallel exchange).
+  // false: validate only; merged masks are not built (used to validate before any parallel
+  // exchange).
   bool materialize = true;
 };
 
 struct PreparedCall {
   AttentionProblem problem;
-  std::vector<Tensor> owned;  // joint-concatenated Q/K/V and merged masks, when needed
+  std::vector<Tensor> owned;  // merged key masks, when needed
 };
 
 // Validates `in` against `config` (SPEC §1-§8, §13) and resolves it. Throws InvalidArgument or

@@ -201,8 +201,8 @@ class Worker {
       // them in place, H * D elements apart, cost more in cache-set conflicts and TLB misses
       // than the copy (measured on flux-1024: 47% -> 58% of peak with 24 heads).
       const i64 ahead = std::min(kBlockKeys, kmax - j0 - n);
-      convert_rows(p_.k, b, hk, j0, n, d, s.k, s.ld_k, ahead);
-      convert_rows(p_.v, b, hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
+      convert_rows(&AttentionProblem::k_row, b, hk, j0, n, d, s.k, s.ld_k, ahead);
+      convert_rows(&AttentionProblem::v_row, b, hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
       kk_.qk(s.k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d));
       if (j0 + n > kmin || p_.mask.kind != MaskKind::none)
         hide(w, s, b, j0, n, rows, j0 + n > kmin);
@@ -260,11 +260,12 @@ class Worker {
  private:
   // Q^T [d][rows_p], pre-scaled; padding rows zero.
   void pack_queries(const WorkItem& w, const Scratch& s, i64 b, i64 rows) const {
-    const TensorView& q = p_.q;
     const i64 d = p_.d, nq = w.q1 - w.q0;
     for (i64 r = 0; r < rows; ++r) {
-      const i64 h = w.h0 + r / nq, i = w.q0 + r % nq;
-      load_elements(q, b * q.stride(0) + i * q.stride(1) + h * q.stride(2), d, qscale_, s.row);
+      const i64 h = w.h0 + r / nq;
+      const RowRef qr = p_.q_row(w.q0 + r % nq);
+      const TensorView& q = *qr.view;
+      load_elements(q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, qscale_, s.row);
       for (i64 e = 0; e < d; ++e) s.qt[e * s.ld_rows + r] = s.row[e];
     }
     for (i64 e = 0; e < d; ++e)
@@ -275,17 +276,20 @@ class Worker {
   // the first `ahead` rows of the next tile are prefetched meanwhile (rows lie H * D elements
   // apart, too far for the hardware prefetchers; one row per row converted spreads the
   // requests out: +3-4 points of peak over one burst per tile).
-  void convert_rows(const TensorView& t, i64 b, i64 hk, i64 j0, i64 n, i64 width, float* dst,
-                    i64 ld, i64 ahead) const {
-    const i64 es = i64(dtype_size(t.dtype()));
-    const auto* bytes = static_cast<const char*>(t.data());
+  void convert_rows(RowRef (AttentionProblem::*row_of)(i64) const, i64 b, i64 hk, i64 j0, i64 n,
+                    i64 width, float* dst, i64 ld, i64 ahead) const {
     for (i64 jj = 0; jj < n; ++jj) {
       if (jj < ahead) {  // the same row of the next tile, into L2 while this tile computes
-        const char* row =
-            bytes + (b * t.stride(0) + (j0 + n + jj) * t.stride(1) + hk * t.stride(2)) * es;
+        const RowRef next = (p_.*row_of)(j0 + n + jj);
+        const TensorView& t = *next.view;
+        const i64 es = i64(dtype_size(t.dtype()));
+        const char* row = static_cast<const char*>(t.data()) +
+                          (b * t.stride(0) + next.row * t.stride(1) + hk * t.stride(2)) * es;
         for (i64 off = 0; off < width * es; off += 64) __builtin_prefetch(row + off, 0, 2);
       }
-      load_elements(t, b * t.stride(0) + (j0 + jj) * t.stride(1) + hk * t.stride(2), width, 1.0f,
+      const RowRef here = (p_.*row_of)(j0 + jj);
+      const TensorView& t = *here.view;
+      load_elements(t, b * t.stride(0) + here.row * t.stride(1) + hk * t.stride(2), width, 1.0f,
                     dst + jj * ld);
       std::fill(dst + jj * ld + width, dst + (jj + 1) * ld, 0.0f);
     }

@@ -31,12 +31,10 @@ double at4(const TensorView& t, i64 b, i64 s, i64 h, i64 e) {
                      b * t.stride(0) + s * t.stride(1) + h * t.stride(2) + e * t.stride(3));
 }
 
-// The row loop shared by dense and paged calls. `k`/`v` are [B, Skv, Hkv, D|Dv] views (the
-// problem's own or dequantized copies).
+// The row loop shared by dense and paged calls.
 class RowComputer {
  public:
-  RowComputer(const AttentionProblem& p, const TensorView& k, const TensorView& v)
-      : p_(p), k_(k), v_(v), f_(p.laser_input_scale) {
+  explicit RowComputer(const AttentionProblem& p) : p_(p), f_(p.laser_input_scale) {
     scale_ = p.softmax_scale * f_ * f_;
     qrow_.resize(std::size_t(p.d));
     logits_.resize(std::size_t(std::max<i64>(p.skv, 0)));
@@ -94,7 +92,8 @@ class RowComputer {
 
   void head(const Segment& seg, i64 b, i64 i, i64 h) {
     const i64 hk = h / p_.group_size();
-    for (i64 e = 0; e < p_.d; ++e) qrow_[std::size_t(e)] = at4(p_.q, b, i, h, e) / f_;
+    const RowRef qr = p_.q_row(i);
+    for (i64 e = 0; e < p_.d; ++e) qrow_[std::size_t(e)] = at4(*qr.view, b, qr.row, h, e) / f_;
     const i64 pos_q = seg.q_pos0 + (i - seg.q_begin);
     const i64 limit = p_.key_position_limit(pos_q);
     double m = kNegInf;
@@ -104,8 +103,10 @@ class RowComputer {
       if (seg.k_pos0 + (j - seg.k_begin) >= limit) continue;
       const double bias = mask_bias(b, h, i, j);
       if (bias == kNegInf) continue;
+      const RowRef kr = p_.k_row(j);
       double dot = 0.0;
-      for (i64 e = 0; e < p_.d; ++e) dot += qrow_[std::size_t(e)] * (at4(k_, b, j, hk, e) / f_);
+      for (i64 e = 0; e < p_.d; ++e)
+        dot += qrow_[std::size_t(e)] * (at4(*kr.view, b, kr.row, hk, e) / f_);
       s = scale_ * dot + bias;
       m = std::max(m, s);
     }
@@ -120,7 +121,9 @@ class RowComputer {
       if (s == kNegInf) continue;
       const double w = std::exp(s - m);
       sum += w;
-      for (i64 e = 0; e < p_.dv; ++e) acc_[std::size_t(e)] += w * (at4(v_, b, j, hk, e) / f_);
+      const RowRef vr = p_.v_row(j);
+      for (i64 e = 0; e < p_.dv; ++e)
+        acc_[std::size_t(e)] += w * (at4(*vr.view, b, vr.row, hk, e) / f_);
     }
     write(b, i, h, acc_.data(), f_ / sum, m + std::log(sum));
   }
@@ -140,8 +143,6 @@ class RowComputer {
   }
 
   const AttentionProblem& p_;
-  const TensorView& k_;
-  const TensorView& v_;
   double f_;
   double scale_;
   std::vector<double> qrow_, logits_, acc_;
@@ -172,19 +173,29 @@ std::vector<i64> rows_to_compute(const AttentionProblem& p) {
   return rows;
 }
 
-void compute_problem(const AttentionProblem& p) {
-  const std::vector<i64> rows = rows_to_compute(p);
-  Tensor kq, vq;
-  TensorView k = p.k, v = p.v;
+// K and V through a quantized cache: each part (the caller's rows, the joint rows)
+// quantized per (batch, 64-token block, head) and dequantized, as a kernel reading such a
+// cache sees them.
+TensorView dequantized(const TensorView& t, KvCacheDtype dtype, std::vector<Tensor>& keep) {
+  Tensor out = Tensor::empty(t.shape(), DType::F32);
+  detail::quantize_dequantize_kv(t, dtype, out.view());
+  keep.push_back(out);
+  return out.view();
+}
+
+void compute_problem(const AttentionProblem& problem) {
+  const std::vector<i64> rows = rows_to_compute(problem);
+  AttentionProblem p = problem;
+  std::vector<Tensor> keep;
   if (p.kv_cache_dtype != KvCacheDtype::unquantized) {
-    kq = Tensor::empty(p.k.shape(), DType::F32);
-    vq = Tensor::empty(p.v.shape(), DType::F32);
-    detail::quantize_dequantize_kv(p.k, p.kv_cache_dtype, kq.view());
-    detail::quantize_dequantize_kv(p.v, p.kv_cache_dtype, vq.view());
-    k = kq.view();
-    v = vq.view();
+    p.k = dequantized(p.k, p.kv_cache_dtype, keep);
+    p.v = dequantized(p.v, p.kv_cache_dtype, keep);
+    if (p.joint) {
+      p.joint->k = dequantized(p.joint->k, p.kv_cache_dtype, keep);
+      p.joint->v = dequantized(p.joint->v, p.kv_cache_dtype, keep);
+    }
   }
-  RowComputer rc(p, k, v);
+  RowComputer rc(p);
   for (i64 b = 0; b < p.batch; ++b)
     for (i64 i : rows) rc.compute(b, i);
 }
@@ -280,7 +291,7 @@ class ReferenceImpl final : public Impl {
       p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
       if (r.query_len > 0)
         p.segments.push_back({0, 0, r.query_len, 0, r.seq_len, r.seq_len - r.query_len, 0});
-      RowComputer rc(p, p.k, p.v);
+      RowComputer rc(p);
       for (i64 i = 0; i < p.sq; ++i) rc.compute(0, i);
       t0 += r.query_len;
     }
