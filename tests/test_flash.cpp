@@ -263,3 +263,25 @@ TEST(Flash, JointRowsOfAnotherDtypeMatchReference) {
 
 }  // namespace
 }  // namespace dattn
+
+namespace dattn {
+namespace {
+
+TEST(EmptyShapes, ZeroBatchAndZeroQueryRowsRunOnEveryBackend) {
+  for (const auto& backend : Registry::global().names()) {
+    SCOPED_TRACE(backend);
+    AttentionConfig c = flash_config(2, 1, 16, true);
+    c.backend = backend;
+    const Attention layer(c);
+    for (const auto& [b, sq, skv] : {std::tuple<i64, i64, i64>{0, 5, 5}, {2, 0, 7}, {1, 0, 0}}) {
+      auto q = testing::random_tensor({b, sq, 2, 16}, DType::F32, 1),
+           k = testing::random_tensor({b, skv, 1, 16}, DType::F32, 2),
+           v = testing::random_tensor({b, skv, 1, 16}, DType::F32, 3);
+      const auto r = layer.forward(q, k, v, {}, true);
+      EXPECT_EQ(r.out.numel(), b * sq * 2 * 16);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dattn
