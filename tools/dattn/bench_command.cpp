@@ -130,21 +130,10 @@ void add_bench_options(CLI::App& command, BenchOptions& options) {
   command.add_option("--backend,-b", options.backends, "Backends (repeatable; default auto)");
   command.add_option("--dtype", options.dtypes, "Dtypes (repeatable; default f32)")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
-  command.add_option("--threads,-t", options.threads, "OpenMP threads (default: OpenMP's)")
-      ->check(CLI::PositiveNumber);
-  command
-      .add_option("--heads", options.heads,
-                  "Override the query head count (KV heads keep the GQA ratio)")
-      ->check(CLI::PositiveNumber);
+  add_measure_options(command, options.measure);
   command.add_option("--reps", options.reps, "Timed calls per combination; the best counts")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  command
-      .add_option("--check-rows", options.check_rows,
-                  "Query rows recomputed with REFERENCE per combination (0 = no check)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  command.add_option("--seed", options.seed, "Seed of the random inputs")->capture_default_str();
   command.add_flag("--json", options.json, "One JSON object per line (the keys of run --json)");
   command.add_option("--svg", options.svg, "Also write a bar chart of GFLOP/s to this file");
 }
@@ -158,25 +147,18 @@ int run_bench(const BenchOptions& options) {
       options.dtypes.empty() ? std::vector<std::string>{"f32"} : options.dtypes;
   std::vector<Workload> chosen;
   for (const std::string& name : names) {
-    const Workload* w = find_workload(name);
-    if (w == nullptr) {
-      std::cerr << "error: unknown workload '" << name << "'; valid workloads:\n";
-      print_workloads(std::cerr);
-      return kExitUsage;
-    }
-    chosen.push_back(options.heads > 0 ? with_heads(*w, options.heads) : *w);
+    const std::optional<Workload> w = workload_or_report(name, options.measure);
+    if (!w) return kExitUsage;
+    chosen.push_back(*w);
   }
   std::vector<RunReport> reports;
   for (const Workload& w : chosen)
     for (const std::string& dtype : dtypes)
       for (const std::string& backend : backends) {
-        Measurement m{w};
+        Measurement m = measurement_for(w, options.measure);
         m.backend = backend;
         m.dtype = parse_dtype(dtype).value_or(DType::F32);
-        m.threads = options.threads;
         m.reps = options.reps;
-        m.check_rows = options.check_rows;
-        m.seed = options.seed;
         m.progress_prefix = "dattn bench: " + w.name + " " + dtype + " " + backend + ": ";
         reports.push_back(measure(m));
         if (options.json) std::cout << to_json(reports.back()).dump() << std::endl;

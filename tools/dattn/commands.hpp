@@ -24,15 +24,21 @@ struct InfoOptions {
 void add_info_options(CLI::App& command, InfoOptions& options);
 int run_info(const InfoOptions& options);
 
+// How `run` and `bench` measure: threads, head count override, rows checked, input seed.
+struct MeasureOptions {
+  int threads = 0;         // 0 = OpenMP's default
+  std::int64_t heads = 0;  // 0 = the workload's own head count
+  std::int64_t check_rows = 32;
+  std::uint64_t seed = 1;
+};
+void add_measure_options(CLI::App& command, MeasureOptions& options);
+
 // `dattn run`: times one workload of the table and checks a sample of rows against REFERENCE.
 struct RunOptions {
   std::string workload = "small";
   std::string backend = "auto";
   std::string dtype = "f32";
-  int threads = 0;         // 0 = OpenMP's default
-  std::int64_t heads = 0;  // 0 = the workload's own head count
-  std::int64_t check_rows = 32;
-  std::uint64_t seed = 1;
+  MeasureOptions measure;
   bool json = false;
   bool list_workloads = false;
 };
@@ -44,11 +50,8 @@ struct BenchOptions {
   std::vector<std::string> workloads;  // default {"small"}
   std::vector<std::string> backends;   // default {"auto"}
   std::vector<std::string> dtypes;     // default {"f32"}
-  int threads = 0;
-  std::int64_t heads = 0;
+  MeasureOptions measure{0, 0, 8, 1};
   int reps = 3;
-  std::int64_t check_rows = 8;
-  std::uint64_t seed = 1;
   bool json = false;
   std::string svg;
 };

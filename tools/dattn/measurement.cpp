@@ -102,6 +102,39 @@ void print_workloads(std::ostream& os) {
     os << "  " << w.name << std::string(width - w.name.size() + 2, ' ') << w.description << '\n';
 }
 
+void add_measure_options(CLI::App& command, MeasureOptions& options) {
+  command.add_option("--threads,-t", options.threads, "OpenMP threads (default: OpenMP's)")
+      ->check(CLI::PositiveNumber);
+  command
+      .add_option("--heads", options.heads,
+                  "Override the query head count (KV heads keep the GQA ratio)")
+      ->check(CLI::PositiveNumber);
+  command
+      .add_option("--check-rows", options.check_rows,
+                  "Query rows recomputed with REFERENCE to measure the error (0 = no check)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  command.add_option("--seed", options.seed, "Seed of the random inputs")->capture_default_str();
+}
+
+std::optional<Workload> workload_or_report(const std::string& name, const MeasureOptions& options) {
+  const Workload* found = find_workload(name);
+  if (found == nullptr) {
+    std::cerr << "error: unknown workload '" << name << "'; valid workloads:\n";
+    print_workloads(std::cerr);
+    return std::nullopt;
+  }
+  return options.heads > 0 ? with_heads(*found, options.heads) : *found;
+}
+
+Measurement measurement_for(const Workload& workload, const MeasureOptions& options) {
+  Measurement m{workload};
+  m.threads = options.threads;
+  m.check_rows = options.check_rows;
+  m.seed = options.seed;
+  return m;
+}
+
 RunReport measure(const Measurement& m) {
   const Workload& workload = m.workload;
   const auto progress = [&m](const std::string& message) {

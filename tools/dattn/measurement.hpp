@@ -2,9 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <string>
 
+#include "commands.hpp"
 #include "dattn/dtype.hpp"
 #include "report.hpp"
 #include "workloads.hpp"
@@ -29,5 +31,11 @@ RunReport measure(const Measurement& m);
 
 // The workload table, one line each.
 void print_workloads(std::ostream& os);
+
+// The workload `name` with the head override of `options`, or nullopt after printing the
+// error and the valid workloads on stderr.
+std::optional<Workload> workload_or_report(const std::string& name, const MeasureOptions& options);
+// A measurement of `workload` with the threads, rows checked and seed of `options`.
+Measurement measurement_for(const Workload& workload, const MeasureOptions& options);
 
 }  // namespace dattn::cli

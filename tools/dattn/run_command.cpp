@@ -17,18 +17,7 @@ void add_run_options(CLI::App& command, RunOptions& options) {
   command.add_option("--dtype", options.dtype, "Element type of Q, K and V")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))
       ->capture_default_str();
-  command.add_option("--threads,-t", options.threads, "OpenMP threads (default: OpenMP's)")
-      ->check(CLI::PositiveNumber);
-  command
-      .add_option("--heads", options.heads,
-                  "Override the query head count (KV heads keep the GQA ratio)")
-      ->check(CLI::PositiveNumber);
-  command
-      .add_option("--check-rows", options.check_rows,
-                  "Query rows recomputed with REFERENCE to measure the error (0 = no check)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  command.add_option("--seed", options.seed, "Seed of the random inputs")->capture_default_str();
+  add_measure_options(command, options.measure);
   command.add_flag("--json", options.json, "Print one JSON object per line");
   command.add_flag("--list-workloads", options.list_workloads, "List the workloads and exit");
 }
@@ -38,18 +27,11 @@ int run_run(const RunOptions& options) {
     print_workloads(std::cout);
     return kExitOk;
   }
-  const Workload* found = find_workload(options.workload);
-  if (found == nullptr) {
-    std::cerr << "error: unknown workload '" << options.workload << "'; valid workloads:\n";
-    print_workloads(std::cerr);
-    return kExitUsage;
-  }
-  Measurement m{options.heads > 0 ? with_heads(*found, options.heads) : *found};
+  const std::optional<Workload> workload = workload_or_report(options.workload, options.measure);
+  if (!workload) return kExitUsage;
+  Measurement m = measurement_for(*workload, options.measure);
   m.backend = options.backend;
   m.dtype = parse_dtype(options.dtype).value_or(DType::F32);
-  m.threads = options.threads;
-  m.check_rows = options.check_rows;
-  m.seed = options.seed;
   m.progress_prefix = "dattn run: ";
   const RunReport report = measure(m);
   if (options.json)
