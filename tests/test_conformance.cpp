@@ -243,14 +243,9 @@ std::vector<Case> scenarios() {
                }});
   c.push_back({"LayoutTHD", [](Inputs& in, const Shape& s, DType dt, std::uint32_t seed) {
                  dense(in, s, dt, seed, 1);
-                 const auto thd = [](const TensorView& t) {
-                   const std::array<i64, 3> shape{t.size(1), t.size(2), t.size(3)};
-                   const std::array<i64, 3> strides{t.stride(1), t.stride(2), t.stride(3)};
-                   return TensorView(t.data(), t.dtype(), shape, strides);
-                 };
-                 in.q = thd(in.q);
-                 in.k = thd(in.k);
-                 in.v = thd(in.v);
+                 in.q = testing::without_batch_dim(in.q);
+                 in.k = testing::without_batch_dim(in.k);
+                 in.v = testing::without_batch_dim(in.v);
                  in.config.qkv_layout = QkvLayout::THD;
                }});
   for (KvCacheDtype kv : {KvCacheDtype::fp8, KvCacheDtype::int8}) {

@@ -19,13 +19,7 @@ using i64 = std::int64_t;
 using testing::random_tensor;
 
 AttentionConfig flash_config(i64 hq, i64 hkv, i64 d, bool causal) {
-  AttentionConfig c;
-  c.num_heads = hq;
-  c.num_kv_heads = hkv;
-  c.head_size = d;
-  c.causal = causal;
-  c.backend = "FLASH";
-  return c;
+  return testing::layer_config("FLASH", hq, hkv, d, causal);
 }
 
 TEST(Flash, IsThePlatformDefaultOnCpu) {

@@ -4,13 +4,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "dattn/attention.hpp"
 #include "dattn/tensor.hpp"
 
 namespace dattn::testing {
@@ -86,6 +89,25 @@ inline Difference compare(const TensorView& got, const TensorView& want) {
 
 inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// A layer config for `backend` with the given heads and head size.
+inline AttentionConfig layer_config(std::string backend, std::int64_t hq, std::int64_t hkv,
+                                    std::int64_t d, bool causal = false) {
+  AttentionConfig c;
+  c.num_heads = hq;
+  c.num_kv_heads = hkv;
+  c.head_size = d;
+  c.causal = causal;
+  c.backend = std::move(backend);
+  return c;
+}
+
+// A [1, S, H, E] view as [S, H, E] (THD), same memory.
+inline TensorView without_batch_dim(const TensorView& t) {
+  const std::array<std::int64_t, 3> shape{t.size(1), t.size(2), t.size(3)};
+  const std::array<std::int64_t, 3> strides{t.stride(1), t.stride(2), t.stride(3)};
+  return TensorView(t.data(), t.dtype(), shape, strides, t.platform());
 }
 
 // The largest normwise error a backend may have against the f64 reference when its inputs

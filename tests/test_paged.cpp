@@ -24,13 +24,7 @@ TEST(Paged, SlotMappingExample) {
 }
 
 Attention reference(i64 hq, i64 hkv, i64 d, bool causal) {
-  AttentionConfig c;
-  c.num_heads = hq;
-  c.num_kv_heads = hkv;
-  c.head_size = d;
-  c.causal = causal;
-  c.backend = "REFERENCE";
-  return Attention(c);
+  return Attention(testing::layer_config("REFERENCE", hq, hkv, d, causal));
 }
 
 // A multi-layer cache holding `layers` layers; returns layer `layer`'s view in either layout.
@@ -138,10 +132,7 @@ TEST(Paged, EqualsDenseOnTheLogicalSequenceForPermutedPagesAndBothLayouts) {
           c.backend = "REFERENCE";
           c.qkv_layout = QkvLayout::THD;
           const TensorView fk = full_k[r].view(), fv = full_v[r].view();
-          const auto thd = [](const TensorView& t) {
-            const std::array<i64, 3> shape{t.size(1), t.size(2), t.size(3)};
-            return TensorView(t.data(), t.dtype(), shape);
-          };
+          const auto thd = testing::without_batch_dim;
           const auto dense =
               Attention(c).forward(q.view().sliced(0, t0, n), thd(fk), thd(fv), {}, true);
           const auto diff = testing::compare(out.view().sliced(0, t0, n), dense.out.view());

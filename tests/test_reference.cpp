@@ -20,14 +20,9 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 Attention reference_layer(i64 hq, i64 hkv, i64 d, bool causal = false,
                           AttentionRole role = AttentionRole::self,
                           QkvLayout layout = QkvLayout::BSHD) {
-  AttentionConfig c;
-  c.num_heads = hq;
-  c.num_kv_heads = hkv;
-  c.head_size = d;
-  c.causal = causal;
+  AttentionConfig c = testing::layer_config("reference", hq, hkv, d, causal);
   c.role = role;
   c.qkv_layout = layout;
-  c.backend = "reference";
   return Attention(c);
 }
 
@@ -418,11 +413,7 @@ TEST(Reference, LayoutsAndStridedViewsAgree) {
   // THD with batch 1.
   const TensorView q1 = qc.view().sliced(0, 0, 1), k1 = kc.view().sliced(0, 0, 1),
                    v1 = vc.view().sliced(0, 0, 1);
-  const auto thd_in = [](const TensorView& t) {
-    const std::array<i64, 3> shape{t.size(1), t.size(2), t.size(3)};
-    const std::array<i64, 3> strides{t.stride(1), t.stride(2), t.stride(3)};
-    return TensorView(t.data(), t.dtype(), shape, strides);
-  };
+  const auto thd_in = testing::without_batch_dim;
   const auto thd = reference_layer(H, H, D, true, AttentionRole::self, QkvLayout::THD)
                        .forward(thd_in(q1), thd_in(k1), thd_in(v1), {}, true);
   const Tensor base0 = Tensor::copy_of(base.out.view().sliced(0, 0, 1));
