@@ -270,12 +270,17 @@ std::vector<Case> scenarios() {
   return c;
 }
 
-// What a backend must claim to serve `c`. A [real, pad] packing is one document for a backend
-// that honours packed_padding, and two real ones for a backend that ignores it (SPEC §5, §6).
-std::vector<Feature> needs_of(const Case& c, const Backend& b) {
+// What a backend must claim to serve `c` built as `in`. A [real, pad] packing is one document
+// for a backend that honours packed_padding, and two real ones for a backend that ignores it
+// (SPEC §5, §6). Causal cases need supports_causal; 3-D/4-D masks supports_dense_attention_mask.
+std::vector<Feature> needs_of(const Case& c, const Backend& b, const Inputs& in) {
+  std::vector<Feature> needs = c.needs;
   if (c.name == "RealPadPackedPadding" && !b.supports_packed_mask_free())
-    return {Feature::multi_doc_packed_varlen};
-  return c.needs;
+    needs = {Feature::multi_doc_packed_varlen};
+  if (in.config.causal || in.meta.full_attn_spans) needs.push_back(Feature::causal);
+  if (in.meta.attn_mask && in.meta.attn_mask->ndim() >= 3)
+    needs.push_back(Feature::dense_attention_mask);
+  return needs;
 }
 
 struct Param {
@@ -349,7 +354,7 @@ TEST_P(Conformance, MatchesReferenceOrRaisesForUnclaimedFeatures) {
   try {
     const ForwardResult got = layer.forward(in.q, in.k, in.v, in.meta, true);
     ASSERT_TRUE(kv_ok) << "a kv_cache_dtype the impl does not declare was accepted";
-    for (Feature f : needs_of(p.scenario, layer.backend()))
+    for (Feature f : needs_of(p.scenario, layer.backend(), in))
       ASSERT_TRUE(layer.backend().claims(f))
           << "served a call needing unclaimed " << feature_name(f);
     // Backends without supports_packed_mask_free ignore packed_padding (SPEC §6).
@@ -373,7 +378,7 @@ TEST_P(Conformance, MatchesReferenceOrRaisesForUnclaimedFeatures) {
     // the backend.
     const Backend& b = layer.backend();
     bool unclaimed = !kv_ok && e.field() == "kv_cache_dtype";
-    for (Feature f : needs_of(p.scenario, b))
+    for (Feature f : needs_of(p.scenario, b, in))
       if (e.field() == feature_name(f)) unclaimed = !b.claims(f);
     EXPECT_TRUE(unclaimed) << "raised for a claimed feature: " << e.what();
     EXPECT_NE(std::string(e.what()).find(b.name()), std::string::npos) << e.what();

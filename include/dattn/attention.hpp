@@ -32,6 +32,10 @@ struct AttentionConfig {
   // then to automatic choice.
   std::string backend;
   BackendOptions backend_options;  // passed to the impl as backend_kwargs
+  // With an explicit (or env) choice: a call the backend cannot serve runs on the best exact
+  // backend that can (forward_into returns which), instead of raising Unsupported. Automatic
+  // choice always falls back.
+  bool allow_fallback = false;
   KvCacheDtype kv_cache_dtype = KvCacheDtype::unquantized;
   Platform platform = Platform::cpu;
   std::optional<DType> dtype;  // Q's dtype, if known, to validate the choice up front

@@ -132,6 +132,13 @@ class Backend : public std::enable_shared_from_this<Backend> {
     (void)spec;
     return false;
   }
+  // dattn's own flags (not in the seed): every dense backend serves causal calls and 3-D/4-D
+  // masks; a sparse backend may not.
+  virtual bool supports_causal() const { return true; }
+  virtual bool supports_dense_attention_mask() const { return true; }
+  // False for a backend that approximates attention (block-sparse): automatic choice and
+  // automatic fallback never pick it; only an explicit choice does.
+  virtual bool exact() const { return true; }
   // Empty = any head size.
   virtual std::vector<std::int64_t> supported_head_sizes() const { return {}; }
   bool supports_head_size(std::int64_t head_size) const;

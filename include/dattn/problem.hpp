@@ -24,7 +24,10 @@ enum class Feature : std::uint32_t {
   piecewise_spans = 1u << 4,          // full_attn_spans
   paged_kv = 1u << 5,                 // forward_paged
   lse_output = 1u << 6,               // always supported; recorded for reports
+  causal = 1u << 7,                   // causal (or bottom-right causal) positions
+  dense_attention_mask = 1u << 8,     // a 3-D/4-D bool or additive mask (not key padding)
 };
+inline constexpr Feature kLastFeature = Feature::dense_attention_mask;
 std::string_view feature_name(Feature f);  // the seed's flag name, e.g. "supports_paged_kv"
 
 class FeatureSet {
@@ -106,6 +109,9 @@ struct AttentionProblem {
   double laser_input_scale = 1.0;  // 1 = off
   KvCacheDtype kv_cache_dtype = KvCacheDtype::unquantized;
   const BackendOptions* backend_options = nullptr;  // opaque per-backend slot; may be null
+  // Where video grids sit in the sequence (SPEC §9), joint rows included; null = none. Dense
+  // backends ignore it. Not part of the signature: a sparse backend keys its own caches by it.
+  const VideoTokenLayout* video_layout = nullptr;
   FeatureSet features;
   // Identifies shapes and metadata structure; a plan runs only on problems with its signature.
   std::uint64_t signature = 0;

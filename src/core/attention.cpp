@@ -92,7 +92,7 @@ struct Attention::State {
         break;
       }
     if (!missing) return *primary;
-    if (!automatic)
+    if (!automatic && !config.allow_fallback)
       throw Unsupported(std::string(feature_name(*missing)),
                         "backend " + chosen.name() + " does not support this call: it needs " +
                             std::string(feature_name(*missing)) + " (" + selection.source +
@@ -101,7 +101,7 @@ struct Attention::State {
     r.features = features;
     std::lock_guard lock(fallback_mutex);
     for (const auto& b : registry->all()) {
-      if (b->refusal(r, spec)) continue;
+      if (!b->exact() || b->refusal(r, spec)) continue;
       auto& slot = fallbacks[b->name()];
       if (!slot) slot = make_slot(b);
       if (verbose())

@@ -109,6 +109,10 @@ bool Backend::claims(Feature f, const BackendOptions* spec) const {
       return supports_paged_kv();
     case Feature::lse_output:
       return true;
+    case Feature::causal:
+      return supports_causal();
+    case Feature::dense_attention_mask:
+      return supports_attention_mask(spec) && supports_dense_attention_mask();
   }
   return false;
 }

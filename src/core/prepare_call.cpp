@@ -484,6 +484,7 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
   } else {
     p.position_rule = config.causal ? PositionRule::causal : PositionRule::full;
   }
+  if (p.position_rule != PositionRule::full) p.features.add(Feature::causal);
 
   // ---- laser_input_scale (SPEC §8) ----
   if (extra.laser_input_scale) {
@@ -506,6 +507,7 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
   p.lse = lse;
   p.kv_cache_dtype = extra.kv_cache_dtype.value_or(config.kv_cache_dtype);
   p.backend_options = &extra.backend;
+  if (meta.video_layout) p.video_layout = &*meta.video_layout;
   if (lse) p.features.add(Feature::lse_output);
 
   // Joint rows stay in the caller's tensors; the problem reads them through q_row/k_row/v_row.
@@ -546,6 +548,7 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
     p.zero_masked_query_rows = config.role == AttentionRole::self && sq == skv;
   } else if (!mask_skipped && dense_mask) {
     p.features.add(Feature::attention_mask);
+    p.features.add(Feature::dense_attention_mask);
     p.mask.kind = dense_mask->dtype() == DType::Bool ? MaskKind::keep_dense : MaskKind::additive;
     p.mask.view = *dense_mask;
   }

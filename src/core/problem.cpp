@@ -20,13 +20,17 @@ std::string_view feature_name(Feature f) {
       return "supports_paged_kv";
     case Feature::lse_output:
       return "lse_output";
+    case Feature::causal:
+      return "supports_causal";
+    case Feature::dense_attention_mask:
+      return "supports_dense_attention_mask";
   }
   return "?";
 }
 
 std::vector<Feature> FeatureSet::list() const {
   std::vector<Feature> out;
-  for (std::uint32_t bit = 1; bit != 0 && bit <= static_cast<std::uint32_t>(Feature::lse_output);
+  for (std::uint32_t bit = 1; bit != 0 && bit <= static_cast<std::uint32_t>(kLastFeature);
        bit <<= 1)
     if (bits_ & bit) out.push_back(static_cast<Feature>(bit));
   return out;

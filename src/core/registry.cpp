@@ -6,6 +6,7 @@
 
 #include "backends/flash/flash.hpp"
 #include "backends/reference/reference.hpp"
+#include "backends/sparse/video_sparse.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -28,6 +29,7 @@ Registry& Registry::global() {
     auto* r = new Registry();
     r->add(make_flash_backend());
     r->add(make_reference_backend());
+    r->add(make_video_sparse_backend());
     return r;
   }();
   return *registry;
@@ -106,6 +108,10 @@ Selection Registry::select(const BackendRequest& request,
   }
   sel.source = "auto";
   for (const auto& b : all()) {
+    if (!b->exact()) {
+      sel.skipped.push_back(b->name() + ": approximate; chosen only explicitly");
+      continue;
+    }
     if (auto why = b->refusal(request, spec)) {
       sel.skipped.push_back(b->name() + ": " + *why);
       continue;

@@ -1,0 +1,466 @@
+// VIDEO_SPARSE: block-sparse attention over a video token layout (SPEC §9) on FLASH's
+// micro-kernels.
+//
+// A call: tile the sequence (cached per layout), select key blocks per (batch, head, query
+// block), then for each (batch, KV head) convert that head's K and V rows once, in tile order,
+// into one f32 buffer (so every selected block is a contiguous run of rows and neighbouring
+// selected tiles merge into longer runs), and run the online softmax of each query block over
+// its selected runs only. Query rows are gathered from and written back to their sequence rows;
+// padding rows output zero.
+#include "backends/sparse/video_sparse.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <numbers>
+#include <sstream>
+#include <variant>
+
+#include "backends/flash/isa.hpp"
+#include "backends/flash/kernels.hpp"
+#include "backends/flash/tile_plan.hpp"
+#include "dattn/errors.hpp"
+#include "dattn/video_sparse.hpp"
+
+namespace dattn {
+
+namespace sparse {
+namespace {
+
+using i64 = std::int64_t;
+using flash::kBlockKeys;
+using flash::round_up;
+using flash::TileKernels;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Rows of the per-thread query tile; larger query blocks run in several chunks.
+constexpr i64 kMaxRows = 128;
+// Padding of row strides (floats) against cache-set conflicts, as in FLASH.
+constexpr i64 kStridePad = 16;
+
+class SparsePlan final : public Plan {
+ public:
+  SparsePlan(std::uint64_t signature, const TileKernels& k) : Plan(signature), kernels(k) {}
+  std::string to_string() const override {
+    std::ostringstream os;
+    os << "VIDEO_SPARSE plan: isa " << flash::isa_name(kernels.isa) << ", query chunks of up to "
+       << kMaxRows << " rows, key chunks of " << kBlockKeys << ", " << threads
+       << " thread(s), K/V of one head converted once per call ("
+       << (ld_k + ld_v) * sizeof(float) << " B per key row)";
+    return os.str();
+  }
+  std::size_t scratch_bytes_per_thread() const override { return scratch_floats * sizeof(float); }
+
+  const TileKernels& kernels;
+  i64 dv_padded = 0, ld_k = 0, ld_v = 0;
+  int threads = 1;
+  std::size_t scratch_floats = 0;
+};
+
+// One unit of work: up to kMaxRows valid query rows (tile positions) of one block and head.
+struct Item {
+  i64 head, qblock, first, count;  // rows: positions rows[first .. first + count)
+};
+
+struct Tile {
+  float *qt, *st, *o, *m, *l, *alpha, *row, *coarse;
+  i64 ld_rows, ld_o;
+  static std::size_t floats(i64 d, i64 dvp) {
+    const i64 ld = kMaxRows + kStridePad;
+    return std::size_t(d * ld + kBlockKeys * ld + kMaxRows * (dvp + kStridePad) + 3 * kMaxRows +
+                       2 * std::max(d, dvp));
+  }
+  static Tile carve(float* p, i64 d, i64 dvp) {
+    Tile t{};
+    t.ld_rows = kMaxRows + kStridePad;
+    t.ld_o = dvp + kStridePad;
+    const auto take = [&p](i64 n) {
+      float* at = p;
+      p += n;
+      return at;
+    };
+    t.qt = take(d * t.ld_rows);
+    t.st = take(kBlockKeys * t.ld_rows);
+    t.o = take(kMaxRows * t.ld_o);
+    t.m = take(kMaxRows);
+    t.l = take(kMaxRows);
+    t.alpha = take(kMaxRows);
+    t.row = take(std::max(d, dvp));
+    t.coarse = take(std::max(d, dvp));
+    return t;
+  }
+};
+
+float* thread_scratch(std::size_t floats) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+void load_elements(const TileKernels& kk, const TensorView& t, i64 base, i64 n, float scale,
+                   float* dst) {
+  if (t.stride(3) == 1) {
+    kk.load_row(static_cast<const std::byte*>(t.data()) + base * i64(dtype_size(t.dtype())),
+                t.dtype(), n, scale, dst);
+    return;
+  }
+  for (i64 e = 0; e < n; ++e) dst[e] = load_as_f32(t.data(), t.dtype(), base + e * t.stride(3)) * scale;
+}
+
+// Everything one call needs, shared by the threads.
+struct Call {
+  const AttentionProblem& p;
+  const SparsePlan& plan;
+  const CallTiling& tiling;
+  const BlockMap& map;
+  const PooledBlocks* pooled;  // for the gate's coarse branch
+  const std::optional<TensorView>& gate;
+  float* k_packed;  // [used_k][ld_k], tile order, one KV head
+  float* v_packed;  // [used_k][ld_v]
+  std::vector<char> key_ok;   // per key position of the batch item: visible
+  std::vector<i64> rows;      // valid query positions, grouped by block
+  std::vector<i64> block_row0;  // first entry of each query block in `rows`
+  float qscale = 1;
+
+  const TileKernels& kk() const { return plan.kernels; }
+
+  // Converts key positions [pos0, pos1) of KV head hk of batch b into the packed buffers.
+  void pack(i64 b, i64 hk, i64 pos0, i64 pos1) const {
+    const i64 d = p.d, dv = p.dv;
+    for (i64 pos = pos0; pos < pos1; ++pos) {
+      float* kd = k_packed + pos * plan.ld_k;
+      float* vd = v_packed + pos * plan.ld_v;
+      if (!key_ok[std::size_t(pos)]) {  // hidden: zeros, so that 0-weights never meet a NaN
+        std::fill(kd, kd + plan.ld_k, 0.0f);
+        std::fill(vd, vd + plan.ld_v, 0.0f);
+        continue;
+      }
+      const i64 row = tiling.keys.order()[std::size_t(pos)];
+      const RowRef kr = p.k_row(row), vr = p.v_row(row);
+      const TensorView& kt = *kr.view;
+      const TensorView& vt = *vr.view;
+      load_elements(kk(), kt, b * kt.stride(0) + kr.row * kt.stride(1) + hk * kt.stride(2), d,
+                    1.0f, kd);
+      std::fill(kd + d, kd + plan.ld_k, 0.0f);
+      load_elements(kk(), vt, b * vt.stride(0) + vr.row * vt.stride(1) + hk * vt.stride(2), dv,
+                    1.0f, vd);
+      std::fill(vd + dv, vd + plan.ld_v, 0.0f);
+    }
+  }
+
+  void process(i64 b, const Item& it, float* scratch) const {
+    const i64 d = p.d, dvp = plan.dv_padded, nrows = it.count;
+    const i64 rows_p = round_up(nrows, kk().row_align);
+    Tile s = Tile::carve(scratch, d, dvp);
+    const i64 h = it.head;
+    const i64* positions = rows.data() + it.first;
+    for (i64 r = 0; r < nrows; ++r) {
+      const RowRef qr = p.q_row(tiling.queries.order()[std::size_t(positions[r])]);
+      const TensorView& q = *qr.view;
+      load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, qscale,
+                    s.row);
+      for (i64 e = 0; e < d; ++e) s.qt[e * s.ld_rows + r] = s.row[e];
+    }
+    for (i64 e = 0; e < d; ++e)
+      std::fill(s.qt + e * s.ld_rows + nrows, s.qt + (e + 1) * s.ld_rows, 0.0f);
+    std::fill(s.m, s.m + rows_p, kNegInf);
+    std::fill(s.l, s.l + rows_p, 0.0f);
+    std::fill(s.o, s.o + nrows * s.ld_o, 0.0f);
+
+    const auto& kblocks = tiling.keys.blocks();
+    const auto selected = map.selected(b, h, it.qblock);
+    for (std::size_t n = 0; n < selected.size();) {
+      // Neighbouring selected blocks are one run of packed rows.
+      const i64 begin = kblocks[std::size_t(selected[n])].begin;
+      i64 end = kblocks[std::size_t(selected[n])].end;
+      for (++n; n < selected.size() && kblocks[std::size_t(selected[n])].begin == end; ++n)
+        end = kblocks[std::size_t(selected[n])].end;
+      for (i64 j0 = begin; j0 < end; j0 += kBlockKeys) {
+        const i64 keys = std::min(kBlockKeys, end - j0);
+        bool any = false, all = true;
+        for (i64 jj = 0; jj < keys; ++jj) {
+          any = any || key_ok[std::size_t(j0 + jj)];
+          all = all && key_ok[std::size_t(j0 + jj)];
+        }
+        if (!any) continue;
+        kk().qk(k_packed + j0 * plan.ld_k, plan.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(keys),
+                int(rows_p), int(d));
+        if (!all)
+          for (i64 jj = 0; jj < keys; ++jj)
+            if (!key_ok[std::size_t(j0 + jj)])
+              std::fill(s.st + jj * s.ld_rows, s.st + (jj + 1) * s.ld_rows, kNegInf);
+        kk().softmax_tile(s.st, s.ld_rows, int(keys), int(rows_p), s.m, s.l, s.alpha);
+        kk().pv(s.st, s.ld_rows, v_packed + j0 * plan.ld_v, plan.ld_v, s.o, s.ld_o, s.alpha,
+                int(nrows), int(keys), int(dvp));
+      }
+    }
+
+    const bool gated = gate.has_value();
+    if (gated) coarse(b, h, it.qblock, s.coarse);
+    for (i64 r = 0; r < nrows; ++r) {
+      const i64 row = tiling.queries.order()[std::size_t(positions[r])];
+      if (!(s.l[r] > 0.0f)) {
+        write_zero(b, h, row);
+        continue;
+      }
+      float* o_row = s.o + r * s.ld_o;
+      float inv = 1.0f / s.l[r];
+      if (gated) {
+        add_gated(b, h, row, inv, o_row, s.coarse);
+        inv = 1.0f;
+      }
+      write_row(o_row, inv, s.m[r], s.l[r], b, h, row);
+    }
+  }
+
+  // softmax(pooled q . pooled k x scale) . pooled V over the key blocks with valid keys.
+  void coarse(i64 b, i64 h, i64 qb, float* out) const {
+    const i64 nq = pooled->qblocks, nk = pooled->kblocks, hk = h / p.group_size();
+    std::fill(out, out + p.dv, 0.0f);
+    const float* pq = pooled->q.data() + ((b * p.hq + h) * nq + qb) * p.d;
+    double mx = -std::numeric_limits<double>::infinity();
+    std::vector<double> score(std::size_t(nk), -std::numeric_limits<double>::infinity());
+    for (i64 kb = 0; kb < nk; ++kb) {
+      if (pooled->k_rows[std::size_t(b * nk + kb)] == 0) continue;
+      const float* pk = pooled->k.data() + ((b * p.hkv + hk) * nk + kb) * p.d;
+      double sc = 0;
+      for (i64 e = 0; e < p.d; ++e) sc += double(pq[e]) * pk[e];
+      score[std::size_t(kb)] = sc * p.softmax_scale;
+      mx = std::max(mx, score[std::size_t(kb)]);
+    }
+    if (mx == -std::numeric_limits<double>::infinity()) return;
+    double sum = 0;
+    std::vector<double> acc(std::size_t(p.dv), 0.0);
+    for (i64 kb = 0; kb < nk; ++kb) {
+      if (score[std::size_t(kb)] == -std::numeric_limits<double>::infinity()) continue;
+      const double w = std::exp(score[std::size_t(kb)] - mx);
+      sum += w;
+      const float* pv = pooled->v.data() + ((b * p.hkv + hk) * nk + kb) * p.dv;
+      for (i64 e = 0; e < p.dv; ++e) acc[std::size_t(e)] += w * pv[e];
+    }
+    for (i64 e = 0; e < p.dv; ++e) out[e] = static_cast<float>(acc[std::size_t(e)] / sum);
+  }
+
+  // o_row = o_row * inv + gate(b, row, h) * coarse.
+  void add_gated(i64 b, i64 h, i64 row, float inv, float* o_row, const float* c) const {
+    const TensorView& g = *gate;
+    const i64 base = b * g.stride(0) + row * g.stride(1) + h * g.stride(2);
+    const i64 step = g.ndim() == 4 ? g.stride(3) : 0;
+    for (i64 e = 0; e < p.dv; ++e)
+      o_row[e] = o_row[e] * inv + load_as_f32(g.data(), g.dtype(), base + e * step) * c[e];
+  }
+
+  void write_row(const float* o_row, float inv, float m, float l, i64 b, i64 h, i64 i) const {
+    const TensorView& o = p.out;
+    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
+    if (o.stride(3) == 1) {
+      kk().store_row(o_row, inv, p.dv, o.dtype(),
+                     static_cast<std::byte*>(o.data()) + base * i64(dtype_size(o.dtype())));
+    } else {
+      for (i64 e = 0; e < p.dv; ++e)
+        store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), o_row[e] * inv);
+    }
+    if (p.lse)
+      lse_at(b, h, i) = static_cast<float>((double(m) + std::log2(double(l))) * std::numbers::ln2);
+  }
+
+  void write_zero(i64 b, i64 h, i64 i) const {
+    const TensorView& o = p.out;
+    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
+    for (i64 e = 0; e < p.dv; ++e) store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), 0.0f);
+    if (p.lse) lse_at(b, h, i) = kNegInf;
+  }
+
+  float& lse_at(i64 b, i64 h, i64 i) const {
+    const TensorView& l = *p.lse;
+    return static_cast<float*>(l.data())[b * l.stride(0) + h * l.stride(1) + i * l.stride(2)];
+  }
+};
+
+bool mask_keeps(const AttentionProblem& p, i64 b, i64 j) {
+  if (p.mask.kind != MaskKind::keep_keys) return true;
+  const TensorView& v = p.mask.view;
+  return static_cast<const std::uint8_t*>(v.data())[b * v.stride(0) + j * v.stride(1)] != 0;
+}
+
+void check_gate(const TensorView& g, const AttentionProblem& p) {
+  const bool rank_ok = g.ndim() == 3 || (g.ndim() == 4 && g.size(3) == p.dv);
+  if (!rank_ok || g.size(0) != p.batch || g.size(1) != p.sq || g.size(2) != p.hq ||
+      !is_float_input_dtype(g.dtype()))
+    throw InvalidArgument("gate", "gate: got " + g.describe() + "; valid: [" +
+                                      std::to_string(p.batch) + ", " + std::to_string(p.sq) +
+                                      ", " + std::to_string(p.hq) + "] or [..., " +
+                                      std::to_string(p.dv) + "] of f32, bf16 or f16");
+}
+
+class VideoSparseImpl final : public Impl {
+ public:
+  VideoSparseImpl(const Backend& backend, const ImplConfig& config)
+      : Impl(backend, config),
+        options_(VideoSparseOptions::from(config.backend_kwargs, nullptr)),
+        isa_(flash::process_isa()) {}
+
+  std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
+    // One key range per batch item (the claims exclude several documents; this guards it).
+    for (std::size_t a = 0; a < p.segments.size(); ++a)
+      for (std::size_t c = a + 1; c < p.segments.size(); ++c)
+        if (p.segments[a].batch == p.segments[c].batch &&
+            (p.segments[a].k_begin != p.segments[c].k_begin ||
+             p.segments[a].k_end != p.segments[c].k_end))
+          throw Unsupported("supports_multi_doc_packed_varlen",
+                            "backend VIDEO_SPARSE needs one key range per batch item");
+    auto plan = std::make_unique<SparsePlan>(p.signature, flash::kernels_for(isa_));
+    plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
+    plan->ld_k = round_up(p.d, 16) + kStridePad;
+    plan->ld_v = plan->dv_padded + kStridePad;
+    plan->threads = omp_get_max_threads();
+    plan->scratch_floats = Tile::floats(p.d, plan->dv_padded);
+    return plan;
+  }
+
+ protected:
+  void run_cpu(const Plan& base, const AttentionProblem& p) const override {
+    const auto& plan = static_cast<const SparsePlan&>(base);
+    const VideoSparseOptions o = VideoSparseOptions::from(config().backend_kwargs, p.backend_options);
+    if (o.gate) check_gate(*o.gate, p);
+    const std::shared_ptr<const CallTiling> tiling = tiling_for(p, o);
+    const CallTiling& t = *tiling;
+    std::optional<PooledBlocks> pooled;
+    if (o.selection == BlockSelection::topk || o.gate) pooled = pool_blocks(p, t, o.gate.has_value());
+    const BlockMap map = select_blocks(p, t, o, pooled ? &*pooled : nullptr);
+
+    std::lock_guard lock(buffer_mutex_);  // the packed K/V buffer of this impl
+    const i64 used_k = t.keys.used_len();
+    const std::size_t need = std::size_t(used_k * (plan.ld_k + plan.ld_v));
+    if (packed_.size() < need) packed_.resize(need);
+    Call call{p, plan, t, map, pooled ? &*pooled : nullptr, o.gate, packed_.data(),
+              packed_.data() + used_k * plan.ld_k, {}, {}, {}, 1.0f};
+    call.qscale = static_cast<float>(p.softmax_scale * std::numbers::log2e);
+    const auto& qblocks = t.queries.blocks();
+    const auto& kblocks = t.keys.blocks();
+    for (i64 b = 0; b < p.batch; ++b) {
+      // Valid query rows (inside a segment, used), visible keys (key range, mask).
+      std::vector<char> q_ok(std::size_t(p.sq), 0);
+      call.key_ok.assign(std::size_t(used_k), 0);
+      for (const Segment& s : p.segments) {
+        if (s.batch != b) continue;
+        for (i64 i = s.q_begin; i < s.q_end; ++i)
+          q_ok[std::size_t(i)] = !p.zero_masked_query_rows || mask_keeps(p, b, i);
+        for (i64 j = s.k_begin; j < std::min(s.k_end, used_k); ++j)
+          call.key_ok[std::size_t(t.keys.position()[std::size_t(j)])] = mask_keeps(p, b, j);
+      }
+      for (i64 i = 0; i < p.sq; ++i)
+        if (!q_ok[std::size_t(i)] || t.queries.position()[std::size_t(i)] >= t.queries.used_len())
+          for (i64 h = 0; h < p.hq; ++h) call.write_zero(b, h, i);
+      call.rows.clear();
+      call.block_row0.assign(qblocks.size() + 1, 0);
+      for (std::size_t qb = 0; qb < qblocks.size(); ++qb) {
+        call.block_row0[qb] = static_cast<i64>(call.rows.size());
+        for (i64 pos = qblocks[qb].begin; pos < qblocks[qb].end; ++pos)
+          if (q_ok[std::size_t(t.queries.order()[std::size_t(pos)])]) call.rows.push_back(pos);
+      }
+      call.block_row0[qblocks.size()] = static_cast<i64>(call.rows.size());
+      for (i64 hk = 0; hk < p.hkv; ++hk) {
+        const std::vector<Item> items = items_for(call, b, hk);
+        const auto count = static_cast<i64>(items.size());
+        const auto nkb = static_cast<i64>(kblocks.size());
+#pragma omp parallel num_threads(plan.threads)
+        {
+#pragma omp for schedule(dynamic, 4)
+          for (i64 kb = 0; kb < nkb; ++kb)
+            call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
+          float* scratch = thread_scratch(plan.scratch_floats);
+#pragma omp for schedule(dynamic, 1)
+          for (i64 n = 0; n < count; ++n) call.process(b, items[std::size_t(n)], scratch);
+        }
+      }
+    }
+  }
+
+ private:
+  // The work of KV head hk: every (query head of its group, query block, chunk), the blocks
+  // that see the most keys first so that dynamic scheduling ends evenly.
+  static std::vector<Item> items_for(const Call& c, i64 b, i64 hk) {
+    std::vector<std::pair<i64, Item>> weighted;
+    const auto& kblocks = c.tiling.keys.blocks();
+    const i64 group = c.p.group_size();
+    for (i64 h = hk * group; h < (hk + 1) * group; ++h)
+      for (std::size_t qb = 0; qb + 1 < c.block_row0.size(); ++qb) {
+        i64 keys = 0;
+        for (std::int32_t kb : c.map.selected(b, h, i64(qb))) keys += kblocks[std::size_t(kb)].size();
+        for (i64 r = c.block_row0[qb]; r < c.block_row0[qb + 1]; r += kMaxRows) {
+          const i64 n = std::min(kMaxRows, c.block_row0[qb + 1] - r);
+          weighted.push_back({keys * n, Item{h, i64(qb), r, n}});
+        }
+      }
+    std::stable_sort(weighted.begin(), weighted.end(),
+                     [](const auto& a, const auto& z) { return a.first > z.first; });
+    std::vector<Item> items;
+    items.reserve(weighted.size());
+    for (const auto& w : weighted) items.push_back(w.second);
+    return items;
+  }
+
+  // Tilings are computed once per (layout, lengths, tile, dense block) and reused by every
+  // denoising step and layer that runs this impl.
+  std::shared_ptr<const CallTiling> tiling_for(const AttentionProblem& p,
+                                               const VideoSparseOptions& o) const {
+    Key key{p.video_layout ? std::optional(*p.video_layout) : std::nullopt, p.sq, p.skv, o.tile,
+            o.dense_block};
+    std::lock_guard lock(cache_mutex_);
+    for (const auto& [k, v] : cache_)
+      if (k == key) return v;
+    auto made = std::make_shared<const CallTiling>(tile_call(p, o));
+    if (cache_.size() >= 8) cache_.erase(cache_.begin());
+    cache_.emplace_back(std::move(key), made);
+    return made;
+  }
+
+  struct Key {
+    std::optional<VideoTokenLayout> layout;
+    i64 sq, skv;
+    TileShape tile;
+    i64 dense_block;
+    bool operator==(const Key&) const = default;
+  };
+
+  VideoSparseOptions options_;
+  flash::Isa isa_;
+  mutable std::mutex cache_mutex_;
+  mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
+  mutable std::mutex buffer_mutex_;
+  mutable std::vector<float> packed_;
+};
+
+class VideoSparseBackend final : public Backend {
+ public:
+  std::string name() const override { return "VIDEO_SPARSE"; }
+  std::string description() const override {
+    return "block-sparse video attention over the video token layout (sliding tile, top-k, "
+           "explicit maps) on FLASH's kernels; approximate, chosen only explicitly";
+  }
+  int priority() const override { return 10; }
+  bool exact() const override { return false; }
+  bool accept_output_buffer() const override { return true; }
+  bool supports_causal() const override { return false; }
+  bool supports_dense_attention_mask() const override { return false; }
+  bool supports_attention_mask(const BackendOptions*) const override { return true; }
+  std::optional<std::vector<Platform>> supported_platforms() const override {
+    return std::vector<Platform>{Platform::cpu};
+  }
+  void validate_available() const override { (void)flash::process_isa(); }
+  std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
+    return std::make_unique<VideoSparseImpl>(*this, config);
+  }
+};
+
+}  // namespace
+}  // namespace sparse
+
+std::shared_ptr<const Backend> make_video_sparse_backend() {
+  return std::make_shared<sparse::VideoSparseBackend>();
+}
+
+}  // namespace dattn
