@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dattn/attention.hpp"
 #include "dattn/metadata.hpp"
 #include "dattn/problem.hpp"
 #include "dattn/tensor.hpp"
@@ -128,9 +129,10 @@ struct BlockMap {
   double sparsity(const VideoTiling& queries, const VideoTiling& keys) const;
 };
 
-// The sliding tile window: a target video query block sees the key tiles of its own grid within
-// `window` tiles around it (the window moved inside the grid at its edges, so every query sees
-// min(window, tiles) per axis) plus every dense key block; dense query blocks see every block.
+// The sliding tile window: a target video query block sees, per axis, the min(window, tiles)
+// consecutive tiles of its own grid whose centre is nearest its own tile (the earlier one on a
+// tie; at the grid's edges the window moves inside), plus every dense key block; dense query
+// blocks see every block.
 // `queries` and `keys` are the same tiling for self-attention; with keys of another sequence
 // (no video blocks) every query sees every key block.
 BlockMap sliding_tile_map(const VideoTiling& queries, const VideoTiling& keys,
@@ -160,5 +162,17 @@ PooledBlocks pool_blocks(const AttentionProblem& p, const CallTiling& t, bool wi
 // selects at least one key block). `pooled` is needed for top-k only.
 BlockMap select_blocks(const AttentionProblem& p, const CallTiling& t, const VideoSparseOptions& o,
                        const PooledBlocks* pooled);
+
+// What VIDEO_SPARSE selects for the call `in` of a layer configured as `config` (its
+// backend_options are the construction options; the call's extra.backend overrides them):
+// validates the call like the layer does and returns the tilings, options and block map. For
+// tools and tests: reports of sparsity, pictures of the map, masked-reference checks.
+struct VideoSparseSelection {
+  CallTiling tiling;
+  VideoSparseOptions options;
+  BlockMap map;
+};
+VideoSparseSelection video_sparse_selection(const AttentionConfig& config,
+                                            const AttentionInputs& in);
 
 }  // namespace dattn

@@ -104,13 +104,19 @@ std::string svg_chart(const std::vector<RunReport>& reports) {
   return os.str();
 }
 
+// GFLOP/s of a sparse backend count the work it does (the selected blocks); "sparsity" is the
+// fraction of (query, key) pairs it skips and "vs_dense" its normwise error against dense
+// attention.
 void print_table(std::ostream& os, const std::vector<RunReport>& reports) {
-  os << std::left << std::setw(18) << "workload" << std::setw(11) << "backend" << std::setw(6)
+  const bool sparse = std::any_of(reports.begin(), reports.end(),
+                                  [](const RunReport& r) { return r.block_sparsity.has_value(); });
+  os << std::left << std::setw(18) << "workload" << std::setw(14) << "backend" << std::setw(6)
      << "dtype" << std::right << std::setw(8) << "threads" << std::setw(11) << "seconds"
-     << std::setw(10) << "GFLOP/s" << std::setw(8) << "peak%" << std::setw(13) << "max_rel_err"
-     << '\n';
+     << std::setw(10) << "GFLOP/s" << std::setw(8) << "peak%" << std::setw(13) << "max_rel_err";
+  if (sparse) os << std::setw(10) << "sparsity" << std::setw(11) << "vs_dense";
+  os << '\n';
   for (const RunReport& r : reports) {
-    os << std::left << std::setw(18) << r.workload << std::setw(11) << r.backend << std::setw(6)
+    os << std::left << std::setw(18) << r.workload << std::setw(14) << r.backend << std::setw(6)
        << r.dtype << std::right << std::setw(8) << r.threads << std::setw(11)
        << std::setprecision(4) << std::fixed << r.seconds << std::setw(10) << std::setprecision(1)
        << r.gflops << std::setw(7) << 100 * r.efficiency << '%' << std::setw(13) << std::scientific
@@ -119,6 +125,15 @@ void print_table(std::ostream& os, const std::vector<RunReport>& reports) {
       os << r.check->max_rel_err;
     else
       os << "-";
+    if (sparse) {
+      os << std::setw(9) << std::fixed << std::setprecision(1)
+         << (r.block_sparsity ? 100 * *r.block_sparsity : 0.0) << '%' << std::setw(11)
+         << std::scientific << std::setprecision(2);
+      if (r.dense_rel_err)
+        os << *r.dense_rel_err;
+      else
+        os << "-";
+    }
     os << std::defaultfloat << '\n';
   }
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,12 +25,19 @@ struct InfoOptions {
 void add_info_options(CLI::App& command, InfoOptions& options);
 int run_info(const InfoOptions& options);
 
-// How `run` and `bench` measure: threads, head count override, rows checked, input seed.
+// How `run` and `bench` measure: threads, head count override, rows checked, input seed, the
+// input signal, and the options of a sparse backend (VIDEO_SPARSE; others ignore them).
 struct MeasureOptions {
   int threads = 0;         // 0 = OpenMP's default
   std::int64_t heads = 0;  // 0 = the workload's own head count
   std::int64_t check_rows = 32;
   std::uint64_t seed = 1;
+  std::string signal = "random";  // "random" or "smooth" (a smooth video signal)
+  std::optional<double> sparsity;
+  std::optional<std::int64_t> topk;
+  std::string window;  // "wt,wh,ww": sliding tile selection
+  std::string tile;    // "t,h,w"
+  bool fallback = false;
 };
 void add_measure_options(CLI::App& command, MeasureOptions& options);
 
@@ -41,6 +49,7 @@ struct RunOptions {
   MeasureOptions measure;
   bool json = false;
   bool list_workloads = false;
+  std::string mask_png;  // a sparse backend's block map of head 0 as a PNG
 };
 void add_run_options(CLI::App& command, RunOptions& options);
 int run_run(const RunOptions& options);
@@ -50,7 +59,11 @@ struct BenchOptions {
   std::vector<std::string> workloads;  // default {"small"}
   std::vector<std::string> backends;   // default {"auto"}
   std::vector<std::string> dtypes;     // default {"f32"}
-  MeasureOptions measure{0, 0, 8, 1};
+  MeasureOptions measure = [] {
+    MeasureOptions m;
+    m.check_rows = 8;
+    return m;
+  }();
   int reps = 3;
   bool json = false;
   std::string svg;

@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "dattn/attention.hpp"
+#include "block_map_png.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/video_sparse.hpp"
 
 namespace dattn::cli {
 
@@ -89,6 +91,108 @@ Tensor output_buffer(const Workload& w, DType dtype) {
   return Tensor::zeros({w.batch, w.output_rows(), w.heads, w.head_size}, dtype);
 }
 
+// f64 attention of sampled rows under the block map of `s`, compared with `out`.
+RowCheck masked_reference_check(const Workload& w, const WorkloadInputs& in, const TensorView& out,
+                                const VideoSparseSelection& s, double scale, i64 rows) {
+  const std::vector<std::int32_t> sample = sample_rows(w.output_rows(), rows);
+  const TensorView q = as_bshd(in.q.view(), w.layout()), k = as_bshd(in.k.view(), w.layout()),
+                   v = as_bshd(in.v.view(), w.layout()), got = as_bshd(out, w.layout());
+  const VideoTiling& qt = s.tiling.queries;
+  const VideoTiling& kt = s.tiling.keys;
+  std::vector<i64> block_of(std::size_t(qt.used_len()));
+  for (std::size_t n = 0; n < qt.blocks().size(); ++n)
+    for (i64 p = qt.blocks()[n].begin; p < qt.blocks()[n].end; ++p)
+      block_of[std::size_t(p)] = i64(n);
+  const bool masked = w.mask == WorkloadMask::key_padding;
+  const bool self = w.role == AttentionRole::self && w.query_rows == w.key_rows;
+  const auto kept = [&](i64 b, i64 j) {
+    return !masked || in.attn_mask.data_as<std::uint8_t>()[b * w.key_rows + j] != 0;
+  };
+  const i64 group = w.heads / w.kv_heads, d = w.head_size;
+  const auto at = [](const TensorView& t, i64 b, i64 r, i64 h, i64 e) {
+    const std::array<i64, 4> index{b, r, h, e};
+    return double(load_as_f32(t.element_ptr(index), t.dtype(), 0));
+  };
+  double max_abs = 0, max_ref = 0;
+  std::vector<double> logit, want(static_cast<std::size_t>(d));
+  std::vector<i64> keys;
+  for (i64 b = 0; b < got.size(0); ++b)
+    for (const std::int32_t row : sample)
+      for (i64 h = 0; h < w.heads; ++h) {
+        std::fill(want.begin(), want.end(), 0.0);
+        const i64 pos = qt.position()[std::size_t(row)];
+        keys.clear();
+        if (pos < qt.used_len() && (!self || kept(b, row)))
+          for (std::int32_t kb : s.map.selected(b, h, block_of[std::size_t(pos)]))
+            for (i64 p = kt.blocks()[std::size_t(kb)].begin; p < kt.blocks()[std::size_t(kb)].end;
+                 ++p)
+              if (kept(b, kt.order()[std::size_t(p)])) keys.push_back(kt.order()[std::size_t(p)]);
+        if (!keys.empty()) {
+          logit.assign(keys.size(), 0.0);
+          double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+          for (std::size_t n = 0; n < keys.size(); ++n) {
+            for (i64 e = 0; e < d; ++e)
+              logit[n] += at(q, b, row, h, e) * at(k, b, keys[n], h / group, e);
+            logit[n] *= scale;
+            mx = std::max(mx, logit[n]);
+          }
+          for (std::size_t n = 0; n < keys.size(); ++n) {
+            const double p = std::exp(logit[n] - mx);
+            sum += p;
+            for (i64 e = 0; e < d; ++e) want[std::size_t(e)] += p * at(v, b, keys[n], h / group, e);
+          }
+          for (double& x : want) x /= sum;
+        }
+        for (i64 e = 0; e < d; ++e) {
+          const double diff = std::fabs(at(got, b, row, h, e) - want[std::size_t(e)]);
+          max_abs =
+              std::isnan(diff) ? std::numeric_limits<double>::infinity() : std::max(max_abs, diff);
+          max_ref = std::max(max_ref, std::fabs(want[std::size_t(e)]));
+        }
+      }
+  RowCheck check;
+  check.rows = i64(sample.size());
+  check.max_abs_err = max_abs;
+  check.max_rel_err = max_ref > 0 ? max_abs / max_ref : max_abs;
+  return check;
+}
+
+// The sparse backend's report: its block sparsity (and the flops it computes), the error of
+// sampled rows against REFERENCE under its block mask, the normwise error of the whole output
+// against dense attention (FLASH), and the picture of its block map.
+void sparse_report(const Measurement& m, const AttentionConfig& config, const WorkloadInputs& in,
+                   const TensorView& out, RunReport& report) {
+  const Workload& w = m.workload;
+  const AttentionInputs call{in.q.view(), in.k.view(), in.v.view(), &in.metadata, out, {}};
+  const VideoSparseSelection s = video_sparse_selection(config, call);
+  const double sparsity = s.map.sparsity(s.tiling.queries, s.tiling.keys);
+  report.block_sparsity = sparsity;
+  report.flops = 4.0 * double(w.head_size) * (1.0 - sparsity) * double(s.tiling.queries.used_len()) *
+                 double(s.tiling.keys.used_len()) * double(w.heads * w.batch);
+  const double scale = 1.0 / std::sqrt(double(w.head_size));
+  if (m.check_rows > 0 && w.joint_rows == 0) {
+    report.check = masked_reference_check(w, in, out, s, scale, m.check_rows);
+    report.checked_against = "REFERENCE under the block mask";
+  } else if (w.joint_rows > 0) {
+    report.checked_against = "none (joint rows)";
+  }
+  if (!m.mask_png.empty()) write_block_map_png(m.mask_png, s.map, s.tiling, 0, 0);
+  if (m.check_rows == 0) return;  // no accuracy checks at all
+  AttentionConfig dense = config;
+  dense.backend = "FLASH";
+  dense.backend_options.clear();
+  const Tensor want = Tensor::zeros(out.shape(), out.dtype());
+  Attention(dense).forward_into(in.q.view(), in.k.view(), in.v.view(), in.metadata, want.view());
+  double num = 0, den = 0;
+  for (i64 n = 0; n < want.numel(); ++n) {
+    const double a = load_as_f32(out.data(), out.dtype(), n);
+    const double b = load_as_f32(want.data(), want.dtype(), n);
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  report.dense_rel_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -111,10 +215,35 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
       ->check(CLI::PositiveNumber);
   command
       .add_option("--check-rows", options.check_rows,
-                  "Query rows recomputed with REFERENCE to measure the error (0 = no check)")
+                  "Query rows recomputed with REFERENCE to measure the error (0 = no check; for a "
+                  "sparse backend also no comparison with dense attention)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   command.add_option("--seed", options.seed, "Seed of the random inputs")->capture_default_str();
+  command
+      .add_option("--signal", options.signal,
+                  "Input values: random (N(0, 1)) or smooth (a smooth signal over the video grid, "
+                  "where attention is local)")
+      ->check(CLI::IsMember({"random", "smooth"}))
+      ->capture_default_str();
+  auto* sparsity =
+      command
+          .add_option("--sparsity", options.sparsity,
+                      "VIDEO_SPARSE top-k: fraction of the video key blocks skipped (default 0.875)")
+          ->check(CLI::Range(0.0, 0.999999));
+  auto* topk = command
+                   .add_option("--topk", options.topk,
+                               "VIDEO_SPARSE top-k: video key blocks kept per query block")
+                   ->check(CLI::PositiveNumber);
+  command
+      .add_option("--window", options.window,
+                  "VIDEO_SPARSE sliding tile selection: window wt,wh,ww in tiles")
+      ->excludes(sparsity)
+      ->excludes(topk);
+  command.add_option("--tile", options.tile, "VIDEO_SPARSE tile t,h,w (default 4,4,4)");
+  command.add_flag("--fallback", options.fallback,
+                   "Run a call the chosen backend cannot serve on the best exact backend that can "
+                   "(reported), instead of failing");
 }
 
 std::optional<Workload> workload_or_report(const std::string& name, const MeasureOptions& options) {
@@ -128,10 +257,20 @@ std::optional<Workload> workload_or_report(const std::string& name, const Measur
 }
 
 Measurement measurement_for(const Workload& workload, const MeasureOptions& options) {
-  Measurement m{workload};
+  Measurement m;
+  m.workload = workload;
   m.threads = options.threads;
   m.check_rows = options.check_rows;
   m.seed = options.seed;
+  m.smooth_signal = options.signal == "smooth";
+  m.allow_fallback = options.fallback;
+  if (!options.window.empty()) {
+    m.backend_options["selection"] = std::string("sliding_tile");
+    m.backend_options["window"] = options.window;
+  }
+  if (options.topk) m.backend_options["topk"] = *options.topk;
+  if (options.sparsity) m.backend_options["sparsity"] = *options.sparsity;
+  if (!options.tile.empty()) m.backend_options["tile"] = options.tile;
   return m;
 }
 
@@ -145,10 +284,13 @@ RunReport measure(const Measurement& m) {
 
   AttentionConfig config = workload_attention_config(workload, m.dtype);
   config.backend = m.backend;
+  config.backend_options = m.backend_options;
+  config.allow_fallback = m.allow_fallback;
   const Attention layer(config);
 
   progress("building inputs of " + workload.name + "...");
-  const WorkloadInputs inputs = build_workload_inputs(workload, m.dtype, m.seed);
+  WorkloadInputs inputs = build_workload_inputs(workload, m.dtype, m.seed);
+  if (m.smooth_signal) fill_smooth_video_signal(inputs, workload, m.seed);
   const Tensor out = output_buffer(workload, m.dtype);
 
   progress("warm-up on " + layer.backend().name() + "...");
@@ -163,7 +305,13 @@ RunReport measure(const Measurement& m) {
   }
 
   RunReport report;
-  if (m.check_rows > 0) {
+  report.signal = m.smooth_signal ? "smooth" : "random";
+  report.flops = attention_flops(workload);
+  report.dense_flops = report.flops;
+  if (!ran.exact()) {
+    progress("checking the sparse result against its block mask and dense attention...");
+    sparse_report(m, config, inputs, out.view(), report);
+  } else if (m.check_rows > 0) {
     progress("checking " + std::to_string(std::min(m.check_rows, workload.output_rows())) +
              " rows against REFERENCE...");
     report.check = check_against_reference(workload, m.dtype, inputs, out.view(), m.check_rows);
@@ -181,7 +329,6 @@ RunReport measure(const Measurement& m) {
   report.reps = std::max(m.reps, 1);
   report.shape = {workload.batch,    workload.query_rows, workload.key_rows,  workload.heads,
                   workload.kv_heads, workload.head_size,  workload.joint_rows};
-  report.flops = attention_flops(workload);
   report.seconds = seconds;
   report.gflops = report.flops / seconds * 1e-9;
   report.peak_gflops = half_precision ? *peak.bf16_dot : peak.f32_fma;

@@ -21,6 +21,10 @@ struct Measurement {
   int reps = 1;     // timed calls after one warm-up; the best counts
   std::int64_t check_rows = 32;
   std::uint64_t seed = 1;
+  bool smooth_signal = false;      // Q/K/V of video rows from a smooth signal of (t, h, w)
+  BackendOptions backend_options;  // the layer's backend options (sparse selection etc.)
+  bool allow_fallback = false;
+  std::string mask_png;  // with a sparse backend: write its block map of head 0 here
   bool progress = true;  // progress lines on stderr
   std::string progress_prefix = "dattn: ";
 };

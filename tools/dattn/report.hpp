@@ -38,6 +38,13 @@ struct RunReport {
   std::string peak_kind;          // "f32_fma" or "bf16_dot"
   double efficiency = 0;          // gflops / peak_gflops
   std::optional<RowCheck> check;  // absent with --check-rows 0
+  // Sparse (approximate) backends: `check` is against REFERENCE under the backend's own block
+  // mask; these say how far the result is from dense attention.
+  std::string checked_against = "REFERENCE";
+  std::string signal = "random";
+  std::optional<double> block_sparsity;  // fraction of (query, key) pairs skipped
+  std::optional<double> dense_rel_err;   // ||out - dense|| / ||dense|| over the whole output
+  double dense_flops = 0;                // attention_flops() of the dense call
 };
 
 // One flat JSON object; the error keys are null when no rows were checked.

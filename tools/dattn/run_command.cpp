@@ -20,6 +20,9 @@ void add_run_options(CLI::App& command, RunOptions& options) {
   add_measure_options(command, options.measure);
   command.add_flag("--json", options.json, "Print one JSON object per line");
   command.add_flag("--list-workloads", options.list_workloads, "List the workloads and exit");
+  command.add_option("--mask-png", options.mask_png,
+                     "With a sparse backend: write its block map of head 0 as a PNG "
+                     "(query blocks down, key blocks across)");
 }
 
 int run_run(const RunOptions& options) {
@@ -33,6 +36,7 @@ int run_run(const RunOptions& options) {
   m.backend = options.backend;
   m.dtype = parse_dtype(options.dtype).value_or(DType::F32);
   m.progress_prefix = "dattn run: ";
+  m.mask_png = options.mask_png;
   const RunReport report = measure(m);
   if (options.json)
     std::cout << to_json(report).dump() << '\n';

@@ -255,6 +255,47 @@ WorkloadInputs build_workload_inputs(const Workload& workload, DType dtype, std:
   return in;
 }
 
+void fill_smooth_video_signal(WorkloadInputs& inputs, const Workload& w, std::uint64_t seed) {
+  if (w.packed() || !w.video_layout) return;
+  // The grids of the layout, in rows of the concatenated sequence [joint | rows] (front).
+  std::vector<VideoTokenSpan> grids = w.video_layout->video_spans;
+  if (w.video_layout->latent_grid)
+    grids.push_back({w.video_layout->prefix_len.value_or(0), *w.video_layout->latent_grid,
+                     VideoRole::target});
+  std::mt19937_64 rng(seed ^ 0x5eedull);
+  std::uniform_real_distribution<double> freq(0.0, 0.6), phase(0.0, 6.283185307179586);
+  const i64 d = w.head_size;
+  const i64 heads = std::max(w.heads, w.kv_heads);
+  // Frequencies and phases per (head, channel); V gets its own phases.
+  std::vector<std::array<double, 5>> wave(std::size_t(heads * d));
+  for (auto& f : wave) f = {freq(rng), freq(rng), freq(rng), phase(rng), phase(rng)};
+  const auto fill = [&](Tensor& t, i64 row_offset, bool value) {
+    if (t.numel() == 0) return;
+    const i64 rows = t.view().size(1), th = t.view().size(2);
+    for (const VideoTokenSpan& g : grids)
+      for (i64 n = 0; n < g.length(); ++n) {
+        const i64 r = g.start + n - row_offset;
+        if (r < 0 || r >= rows) continue;
+        const i64 z = n / (g.latent_grid[1] * g.latent_grid[2]);
+        const i64 y = n / g.latent_grid[2] % g.latent_grid[1], x = n % g.latent_grid[2];
+        for (i64 b = 0; b < w.batch; ++b)
+          for (i64 h = 0; h < th; ++h)
+            for (i64 e = 0; e < d; ++e) {
+              const auto& f = wave[std::size_t(h * d + e)];
+              const i64 at = ((b * rows + r) * th + h) * d + e;
+              const double noise = 0.1 * load_as_f32(t.data(), t.dtype(), at);
+              const double s =
+                  std::sin(f[0] * double(z) + f[1] * double(y) + f[2] * double(x) + f[value ? 4 : 3]);
+              store_from_f32(t.data(), t.dtype(), at, static_cast<float>(s + noise));
+            }
+      }
+  };
+  const i64 offset = w.joint_strategy == JointStrategy::front ? w.joint_rows : 0;
+  fill(inputs.q, offset, false);
+  fill(inputs.k, offset, false);
+  fill(inputs.v, offset, true);
+}
+
 AttentionConfig workload_attention_config(const Workload& workload, DType dtype) {
   AttentionConfig config;
   config.num_heads = workload.heads;

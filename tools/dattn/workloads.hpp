@@ -81,6 +81,12 @@ struct WorkloadInputs {
 // as the workload describes.
 WorkloadInputs build_workload_inputs(const Workload& workload, DType dtype, std::uint64_t seed);
 
+// Replaces the Q, K and V values of the video rows of a BSHD workload with a smooth signal of
+// their (t, h, w) position: per head and channel, sin(a t + b h + c w + phase) plus a little
+// noise, the same frequencies for Q and K, so that attention is local as in a real video.
+// Rows outside the video grids keep their random values. No-op for packed workloads.
+void fill_smooth_video_signal(WorkloadInputs& inputs, const Workload& workload, std::uint64_t seed);
+
 // The layer configuration that runs `workload` (backend left empty = automatic).
 AttentionConfig workload_attention_config(const Workload& workload, DType dtype);
 

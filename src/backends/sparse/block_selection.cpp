@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/prepare_call.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
 #include "dattn/video_sparse.hpp"
@@ -208,39 +209,50 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
   m.key_blocks = nk;
   m.batch_stride = p.hq * nq;
   m.head_stride = nq;
-  std::vector<char> keep(static_cast<std::size_t>(nk));
-  std::vector<float> score(video.size());
-  std::vector<i64> rank(video.size());
-  const i64 group = p.group_size();
-  for (i64 b = 0; b < p.batch; ++b)
-    for (i64 h = 0; h < p.hq; ++h)
-      for (i64 qb = 0; qb < nq; ++qb) {
-        if (qblocks[std::size_t(qb)].dense || video.empty()) {
-          std::fill(keep.begin(), keep.end(), 1);
-          push_row(m, keep);
+  // Each row's selection is independent: score them in parallel, then build the CSR.
+  const i64 rows = p.batch * p.hq * nq, group = p.group_size();
+  std::vector<std::int32_t> chosen(std::size_t(rows * k));
+#pragma omp parallel
+  {
+    std::vector<float> score(video.size());
+    std::vector<i64> rank(video.size());
+#pragma omp for schedule(static)
+    for (i64 row = 0; row < rows; ++row) {
+      const i64 b = row / (p.hq * nq), h = row / nq % p.hq, qb = row % nq;
+      if (qblocks[std::size_t(qb)].dense || k == 0) continue;
+      const float* pq = pooled.q.data() + row * p.d;
+      for (std::size_t n = 0; n < video.size(); ++n) {
+        const i64 kb = video[n];
+        if (pooled.k_rows[std::size_t(b * nk + kb)] == 0) {
+          score[n] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        const float* pq = pooled.q.data() + ((b * p.hq + h) * nq + qb) * p.d;
-        for (std::size_t n = 0; n < video.size(); ++n) {
-          const i64 kb = video[n];
-          if (pooled.k_rows[std::size_t(b * nk + kb)] == 0) {
-            score[n] = -std::numeric_limits<float>::infinity();
-            continue;
-          }
-          const float* pk = pooled.k.data() + ((b * p.hkv + h / group) * nk + kb) * p.d;
-          double s = 0;
-          for (i64 e = 0; e < p.d; ++e) s += double(pq[e]) * pk[e];
-          score[n] = static_cast<float>(s * p.softmax_scale);
-        }
-        std::iota(rank.begin(), rank.end(), 0);
-        std::partial_sort(rank.begin(), rank.begin() + k, rank.end(), [&](i64 a, i64 c) {
-          return score[std::size_t(a)] > score[std::size_t(c)] ||
-                 (score[std::size_t(a)] == score[std::size_t(c)] && a < c);
-        });
-        for (i64 kb = 0; kb < nk; ++kb) keep[std::size_t(kb)] = kblocks[std::size_t(kb)].dense;
-        for (i64 n = 0; n < k; ++n) keep[std::size_t(video[std::size_t(rank[std::size_t(n)])])] = 1;
-        push_row(m, keep);
+        const float* pk = pooled.k.data() + ((b * p.hkv + h / group) * nk + kb) * p.d;
+        float s = 0;
+        for (i64 e = 0; e < p.d; ++e) s += pq[e] * pk[e];
+        score[n] = s;
       }
+      std::iota(rank.begin(), rank.end(), 0);
+      std::partial_sort(rank.begin(), rank.begin() + k, rank.end(), [&](i64 a, i64 c) {
+        return score[std::size_t(a)] > score[std::size_t(c)] ||
+               (score[std::size_t(a)] == score[std::size_t(c)] && a < c);
+      });
+      for (i64 n = 0; n < k; ++n)
+        chosen[std::size_t(row * k + n)] =
+            static_cast<std::int32_t>(video[std::size_t(rank[std::size_t(n)])]);
+    }
+  }
+  std::vector<char> keep(static_cast<std::size_t>(nk));
+  for (i64 row = 0; row < rows; ++row) {
+    const i64 qb = row % nq;
+    if (qblocks[std::size_t(qb)].dense || video.empty()) {
+      std::fill(keep.begin(), keep.end(), 1);
+    } else {
+      for (i64 kb = 0; kb < nk; ++kb) keep[std::size_t(kb)] = kblocks[std::size_t(kb)].dense;
+      for (i64 n = 0; n < k; ++n) keep[std::size_t(chosen[std::size_t(row * k + n)])] = 1;
+    }
+    push_row(m, keep);
+  }
   return m;
 }
 
@@ -251,9 +263,14 @@ bool key_kept(const AttentionProblem& p, i64 b, i64 j) {
 }
 
 // Adds row `row` of head `head` of `t` (a RowRef) to `acc`.
-void accumulate(const RowRef& r, i64 b, i64 head, i64 width, double* acc) {
+void accumulate(const RowRef& r, i64 b, i64 head, i64 width, float* acc) {
   const TensorView& t = *r.view;
   const i64 base = b * t.stride(0) + r.row * t.stride(1) + head * t.stride(2);
+  if (t.dtype() == DType::F32 && t.stride(3) == 1) {
+    const float* src = static_cast<const float*>(t.data()) + base;
+    for (i64 e = 0; e < width; ++e) acc[e] += src[e];
+    return;
+  }
   for (i64 e = 0; e < width; ++e) acc[e] += load_as_f32(t.data(), t.dtype(), base + e * t.stride(3));
 }
 
@@ -327,7 +344,7 @@ BlockMap sliding_tile_map(const VideoTiling& queries, const VideoTiling& keys,
     std::array<i64, 3> lo{}, hi{};
     for (std::size_t a = 0; a < 3; ++a) {
       const i64 n = g.tiles[a], w = std::min(window[a], n);
-      lo[a] = std::clamp<i64>(q.tile[a] - (w - 1) / 2, 0, n - w);
+      lo[a] = std::clamp<i64>(q.tile[a] - w / 2, 0, n - w);
       hi[a] = lo[a] + w;
     }
     for (i64 ct = lo[0]; ct < hi[0]; ++ct)
@@ -359,7 +376,6 @@ PooledBlocks pool_blocks(const AttentionProblem& p, const CallTiling& t, bool wi
   if (with_values) out.v.assign(std::size_t(p.batch * p.hkv * nk * p.dv), 0.0f);
   out.q_rows.assign(std::size_t(p.batch * nq), 0);
   out.k_rows.assign(std::size_t(p.batch * nk), 0);
-  std::vector<double> acc(std::size_t(std::max(p.d, p.dv)));
   for (i64 b = 0; b < p.batch; ++b) {
     // Valid query rows: inside a segment; valid keys: inside its key range and kept.
     std::vector<char> q_valid(std::size_t(p.sq), 0), k_valid(std::size_t(p.skv), 0);
@@ -373,20 +389,23 @@ PooledBlocks pool_blocks(const AttentionProblem& p, const CallTiling& t, bool wi
                           const std::vector<char>& valid, i64 heads, i64 width,
                           RowRef (AttentionProblem::*row_of)(i64) const, std::vector<float>& dst,
                           std::vector<i64>* counts) {
-      for (std::size_t n = 0; n < blocks.size(); ++n) {
+      const auto nb = static_cast<i64>(blocks.size());
+#pragma omp parallel for schedule(dynamic, 8)
+      for (i64 n = 0; n < nb; ++n) {
+        const VideoBlock& blk = blocks[std::size_t(n)];
         i64 rows = 0;
-        for (i64 pos = blocks[n].begin; pos < blocks[n].end; ++pos)
+        for (i64 pos = blk.begin; pos < blk.end; ++pos)
           rows += valid[std::size_t(tiling.order()[std::size_t(pos)])];
-        if (counts) (*counts)[std::size_t(b * i64(blocks.size())) + n] = rows;
+        if (counts) (*counts)[std::size_t(b * nb + n)] = rows;
         if (rows == 0) continue;
         for (i64 h = 0; h < heads; ++h) {
-          std::fill(acc.begin(), acc.end(), 0.0);
-          for (i64 pos = blocks[n].begin; pos < blocks[n].end; ++pos) {
+          float* acc = dst.data() + ((b * heads + h) * nb + n) * width;  // zeros
+          for (i64 pos = blk.begin; pos < blk.end; ++pos) {
             const i64 row = tiling.order()[std::size_t(pos)];
-            if (valid[std::size_t(row)]) accumulate((p.*row_of)(row), b, h, width, acc.data());
+            if (valid[std::size_t(row)]) accumulate((p.*row_of)(row), b, h, width, acc);
           }
-          float* d = dst.data() + ((b * heads + h) * i64(blocks.size()) + i64(n)) * width;
-          for (i64 e = 0; e < width; ++e) d[e] = static_cast<float>(acc[std::size_t(e)] / double(rows));
+          const float inv = 1.0f / static_cast<float>(rows);
+          for (i64 e = 0; e < width; ++e) acc[e] *= inv;
         }
       }
     };
@@ -411,6 +430,22 @@ BlockMap select_blocks(const AttentionProblem& p, const CallTiling& t, const Vid
   if (pooled != nullptr) return topk_map(p, t, o, *pooled);
   const PooledBlocks own = pool_blocks(p, t, false);
   return topk_map(p, t, o, own);
+}
+
+VideoSparseSelection video_sparse_selection(const AttentionConfig& config,
+                                            const AttentionInputs& in) {
+  const double scale =
+      config.softmax_scale.value_or(1.0 / std::sqrt(double(std::max<i64>(config.head_size, 1))));
+  detail::PrepareOptions opts;
+  opts.honour_packed_padding = false;  // as VIDEO_SPARSE, which does not claim it
+  const detail::PreparedCall call = detail::prepare_call(
+      config, scale, config.num_kv_heads.value_or(config.num_heads), in, opts);
+  const AttentionProblem& p = call.problem;
+  VideoSparseSelection s{{}, VideoSparseOptions::from(config.backend_options, p.backend_options),
+                         {}};
+  s.tiling = tile_call(p, s.options);
+  s.map = select_blocks(p, s.tiling, s.options, nullptr);
+  return s;
 }
 
 }  // namespace dattn

@@ -11,7 +11,12 @@
 
 #include <omp.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <new>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -93,6 +98,33 @@ struct Tile {
   }
 };
 
+// The per-call K/V buffer of one head (tens of MiB for a video): grown when needed, in 2 MiB
+// huge pages where the kernel offers them (top-k reads it in scattered blocks; 4 KiB pages
+// would cost a TLB miss on nearly every page touched).
+class PackedBuffer {
+ public:
+  float* get(std::size_t floats) {
+    if (floats > capacity_) {
+      constexpr std::size_t kHuge = std::size_t(2) << 20;
+      const std::size_t bytes = (floats * sizeof(float) + kHuge - 1) / kHuge * kHuge;
+      data_.reset(static_cast<float*>(std::aligned_alloc(kHuge, bytes)));
+      if (!data_) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+      (void)madvise(data_.get(), bytes, MADV_HUGEPAGE);
+#endif
+      capacity_ = bytes / sizeof(float);
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> data_;
+  std::size_t capacity_ = 0;
+};
+
 float* thread_scratch(std::size_t floats) {
   thread_local std::vector<float> buffer;
   if (buffer.size() < floats) buffer.resize(floats);
@@ -171,14 +203,22 @@ struct Call {
 
     const auto& kblocks = tiling.keys.blocks();
     const auto selected = map.selected(b, h, it.qblock);
+    // Chunks of at most kBlockKeys packed rows; neighbouring selected blocks are one run.
+    thread_local std::vector<std::pair<i64, i64>> chunks;
+    chunks.clear();
     for (std::size_t n = 0; n < selected.size();) {
-      // Neighbouring selected blocks are one run of packed rows.
       const i64 begin = kblocks[std::size_t(selected[n])].begin;
       i64 end = kblocks[std::size_t(selected[n])].end;
       for (++n; n < selected.size() && kblocks[std::size_t(selected[n])].begin == end; ++n)
         end = kblocks[std::size_t(selected[n])].end;
-      for (i64 j0 = begin; j0 < end; j0 += kBlockKeys) {
-        const i64 keys = std::min(kBlockKeys, end - j0);
+      for (i64 j0 = begin; j0 < end; j0 += kBlockKeys)
+        chunks.push_back({j0, std::min(kBlockKeys, end - j0)});
+    }
+    {
+      for (std::size_t c = 0; c < chunks.size(); ++c) {
+        const auto [j0, keys] = chunks[c];
+        if (c + 2 < chunks.size()) prefetch(chunks[c + 2].first, chunks[c + 2].second);
+        if (c == 0 && chunks.size() > 1) prefetch(chunks[1].first, chunks[1].second);
         bool any = false, all = true;
         for (i64 jj = 0; jj < keys; ++jj) {
           any = any || key_ok[std::size_t(j0 + jj)];
@@ -213,6 +253,17 @@ struct Call {
       }
       write_row(o_row, inv, s.m[r], s.l[r], b, h, row);
     }
+  }
+
+  // Asks for packed rows [j0, j0 + n) of K and V while the current chunk computes: selected
+  // blocks lie anywhere in the buffer, out of the hardware prefetchers' sight.
+  void prefetch(i64 j0, i64 n) const {
+    const auto* k = reinterpret_cast<const char*>(k_packed + j0 * plan.ld_k);
+    const auto* v = reinterpret_cast<const char*>(v_packed + j0 * plan.ld_v);
+    for (i64 off = 0; off < n * plan.ld_k * i64(sizeof(float)); off += 64)
+      __builtin_prefetch(k + off, 0, 2);
+    for (i64 off = 0; off < n * plan.ld_v * i64(sizeof(float)); off += 64)
+      __builtin_prefetch(v + off, 0, 2);
   }
 
   // softmax(pooled q . pooled k x scale) . pooled V over the key blocks with valid keys.
@@ -333,10 +384,9 @@ class VideoSparseImpl final : public Impl {
 
     std::lock_guard lock(buffer_mutex_);  // the packed K/V buffer of this impl
     const i64 used_k = t.keys.used_len();
-    const std::size_t need = std::size_t(used_k * (plan.ld_k + plan.ld_v));
-    if (packed_.size() < need) packed_.resize(need);
-    Call call{p, plan, t, map, pooled ? &*pooled : nullptr, o.gate, packed_.data(),
-              packed_.data() + used_k * plan.ld_k, {}, {}, {}, 1.0f};
+    float* packed = packed_.get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
+    Call call{p, plan, t, map, pooled ? &*pooled : nullptr, o.gate, packed,
+              packed + used_k * plan.ld_k, {}, {}, {}, 1.0f};
     call.qscale = static_cast<float>(p.softmax_scale * std::numbers::log2e);
     const auto& qblocks = t.queries.blocks();
     const auto& kblocks = t.keys.blocks();
@@ -431,7 +481,7 @@ class VideoSparseImpl final : public Impl {
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
   mutable std::mutex buffer_mutex_;
-  mutable std::vector<float> packed_;
+  mutable PackedBuffer packed_;
 };
 
 class VideoSparseBackend final : public Backend {
