@@ -132,3 +132,29 @@ if(NOT bench_svg MATCHES "^<svg" OR NOT bench_svg MATCHES "FLASH")
 endif()
 
 message(STATUS "cli_smoke: all checks passed")
+
+# ---- VIDEO_SPARSE on a small video: sparsity, errors against its mask and dense, a PNG ----
+run_dattn(SPARSE run --workload video-small --backend video_sparse --sparsity 0.75 --json
+          --mask-png blocks.png)
+expect_success(SPARSE "dattn run --backend video_sparse")
+foreach(key block_sparsity dense_rel_err max_rel_err selection_seconds)
+  string(JSON value ERROR_VARIABLE json_error GET "${SPARSE_OUT}" ${key})
+  if(json_error OR NOT value GREATER 0)
+    message(FATAL_ERROR "dattn run --backend video_sparse: '${key}' = '${value}' ${json_error}\n"
+                        "${SPARSE_OUT}")
+  endif()
+endforeach()
+string(JSON sparse_err GET "${SPARSE_OUT}" max_rel_err)
+if(NOT sparse_err LESS 1e-4)
+  message(FATAL_ERROR "VIDEO_SPARSE differs from REFERENCE under its block mask:\n${SPARSE_OUT}")
+endif()
+file(READ "${WORKDIR}/blocks.png" png_head LIMIT 8 HEX)
+if(NOT png_head STREQUAL "89504e470d0a1a0a")
+  message(FATAL_ERROR "--mask-png did not write a PNG (${png_head})")
+endif()
+# The sliding tile window through dattn bench: a sparse row with its sparsity.
+run_dattn(WINDOW bench --workload video-small --backend video_sparse --window 3,3,3 --reps 1)
+expect_success(WINDOW "dattn bench --backend video_sparse --window 3,3,3")
+if(NOT WINDOW_OUT MATCHES "VIDEO_SPARSE.*%")
+  message(FATAL_ERROR "dattn bench --window prints no sparse row:\n${WINDOW_OUT}")
+endif()

@@ -45,7 +45,9 @@ TEST(VideoTiling, SpecExamples) {
 TEST(VideoTiling, PermutationRoundTripsAndSegmentsNeverShareABlock) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 40; ++trial) {
-    const auto pick = [&](i64 lo, i64 hi) { return std::uniform_int_distribution<i64>(lo, hi)(rng); };
+    const auto pick = [&](i64 lo, i64 hi) {
+      return std::uniform_int_distribution<i64>(lo, hi)(rng);
+    };
     VideoTokenLayout layout;
     std::vector<std::pair<i64, i64>> segments;  // [begin, end) of each stretch, in rows
     i64 used = 0;
@@ -90,8 +92,9 @@ TEST(VideoTiling, PermutationRoundTripsAndSegmentsNeverShareABlock) {
       ASSERT_GT(b.size(), 0);
       next = b.end;
       const i64 first = t.order()[std::size_t(b.begin)];
-      const auto seg = std::find_if(segments.begin(), segments.end(),
-                                    [&](const auto& s) { return first >= s.first && first < s.second; });
+      const auto seg = std::find_if(segments.begin(), segments.end(), [&](const auto& s) {
+        return first >= s.first && first < s.second;
+      });
       ASSERT_NE(seg, segments.end());
       for (i64 p = b.begin; p < b.end; ++p) {
         ASSERT_GE(t.order()[std::size_t(p)], seg->first);
@@ -206,8 +209,8 @@ void expect_close(const ForwardResult& got, const ForwardResult& want, double to
 }
 
 TEST(VideoSparseKernel, EveryBlockSelectedEqualsDenseAttention) {
-  for (const auto& [hq, hkv, d, dv] : {std::array<i64, 4>{4, 1, 64, 64}, {2, 2, 80, 40},
-                                       {3, 3, 59, 59}}) {
+  for (const auto& [hq, hkv, d, dv] :
+       {std::array<i64, 4>{4, 1, 64, 64}, {2, 2, 80, 40}, {3, 3, 59, 59}}) {
     Case c;
     c.hq = hq, c.hkv = hkv, c.d = d, c.dv = dv;
     SCOPED_TRACE(::testing::Message() << "H " << hq << ":" << hkv << " D " << d << " Dv " << dv);
@@ -271,8 +274,7 @@ TEST(VideoSparseKernel, BlockIndicesAndCountsEqualTheSameBoolMap) {
     return Attention(sparse_config(c, std::move(o)))
         .forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
   };
-  const ForwardResult a =
-      run({{"selection", std::string("explicit")}, {"block_map", map.view()}});
+  const ForwardResult a = run({{"selection", std::string("explicit")}, {"block_map", map.view()}});
   const ForwardResult b = run({{"selection", std::string("explicit")},
                                {"block_indices", ti.view()},
                                {"block_counts", tc.view()}});
@@ -343,9 +345,9 @@ TEST(VideoSparseKernel, SlidingWindowMatchesABruteForceWindowMask) {
   const TileShape tile{2, 4, 3};
   const std::array<i64, 3> window{3, 2, 5};
   const SparseInputs r = inputs(c, 41);
-  const Attention layer(sparse_config(
-      c, {{"selection", std::string("sliding_tile")}, {"tile", std::string("2,4,3")},
-          {"window", std::string("3,2,5")}}));
+  const Attention layer(sparse_config(c, {{"selection", std::string("sliding_tile")},
+                                          {"tile", std::string("2,4,3")},
+                                          {"window", std::string("3,2,5")}}));
   const ForwardResult got = layer.forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
   // Token mask by coordinates: prefix rows see and are seen by everything.
   const i64 s = c.seq, prefix = 6, used = c.layout.used_length();
@@ -377,13 +379,15 @@ TEST(VideoSparseKernel, GateAddsTheCoarseBranch) {
   const SparseInputs r = inputs(c, 51);
   // Gate 0 and top-k = all: dense attention.
   const Tensor zero = Tensor::zeros({1, c.seq, c.hq}, DType::F32);
-  const ForwardResult plain = Attention(sparse_config(c, {{"topk", i64(999)}, {"gate", zero.view()}}))
-                                  .forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
+  const ForwardResult plain =
+      Attention(sparse_config(c, {{"topk", i64(999)}, {"gate", zero.view()}}))
+          .forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
   expect_close(plain, reference(c, r, std::nullopt), 1e-5);
   // A gate of g adds g x softmax(pooled scores) . pooled V, computed here in f64.
   const Tensor gate = testing::random_tensor({1, c.seq, c.hq}, DType::F32, 9);
-  const ForwardResult gated = Attention(sparse_config(c, {{"topk", i64(999)}, {"gate", gate.view()}}))
-                                  .forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
+  const ForwardResult gated =
+      Attention(sparse_config(c, {{"topk", i64(999)}, {"gate", gate.view()}}))
+          .forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
   const VideoTiling t = VideoTiling::build(c.layout, c.seq, {4, 4, 4});
   const i64 used = c.layout.used_length(), nb = static_cast<i64>(t.blocks().size());
   const auto pooled = [&](const Tensor& x, i64 heads, i64 h, i64 blk, i64 width) {
@@ -391,7 +395,8 @@ TEST(VideoSparseKernel, GateAddsTheCoarseBranch) {
     const VideoBlock& bl = t.blocks()[std::size_t(blk)];
     for (i64 pos = bl.begin; pos < bl.end; ++pos)
       for (i64 e = 0; e < width; ++e)
-        m[std::size_t(e)] += x.data_as<float>()[(t.order()[std::size_t(pos)] * heads + h) * width + e];
+        m[std::size_t(e)] +=
+            x.data_as<float>()[(t.order()[std::size_t(pos)] * heads + h) * width + e];
     for (double& v : m) v /= double(bl.size());
     return m;
   };
@@ -526,8 +531,8 @@ TEST(VideoSparseBackend, BadOptionsNameTheOption) {
   std::fill(out.data_as<float>(), out.data_as<float>() + out.numel(), 3.0f);
   const Tensor before = Tensor::copy_of(out.view());
   try {
-    (void)Attention(sparse_config(c, {})).forward_into(r.q.view(), r.k.view(), r.v.view(), bad,
-                                                       out.view());
+    (void)Attention(sparse_config(c, {}))
+        .forward_into(r.q.view(), r.k.view(), r.v.view(), bad, out.view());
     ADD_FAILURE() << "a layout longer than the sequence was accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(e.field(), "video_layout");

@@ -13,8 +13,8 @@
 #include <limits>
 #include <vector>
 
-#include "dattn/attention.hpp"
 #include "block_map_png.hpp"
+#include "dattn/attention.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/video_sparse.hpp"
 
@@ -91,6 +91,10 @@ Tensor output_buffer(const Workload& w, DType dtype) {
   return Tensor::zeros({w.batch, w.output_rows(), w.heads, w.head_size}, dtype);
 }
 
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // f64 attention of sampled rows under the block map of `s`, compared with `out`.
 RowCheck masked_reference_check(const Workload& w, const WorkloadInputs& in, const TensorView& out,
                                 const VideoSparseSelection& s, double scale, i64 rows) {
@@ -164,11 +168,14 @@ void sparse_report(const Measurement& m, const AttentionConfig& config, const Wo
                    const TensorView& out, RunReport& report) {
   const Workload& w = m.workload;
   const AttentionInputs call{in.q.view(), in.k.view(), in.v.view(), &in.metadata, out, {}};
+  const auto start = std::chrono::steady_clock::now();
   const VideoSparseSelection s = video_sparse_selection(config, call);
+  report.selection_seconds = seconds_since(start);
   const double sparsity = s.map.sparsity(s.tiling.queries, s.tiling.keys);
   report.block_sparsity = sparsity;
-  report.flops = 4.0 * double(w.head_size) * (1.0 - sparsity) * double(s.tiling.queries.used_len()) *
-                 double(s.tiling.keys.used_len()) * double(w.heads * w.batch);
+  report.flops = 4.0 * double(w.head_size) * (1.0 - sparsity) *
+                 double(s.tiling.queries.used_len()) * double(s.tiling.keys.used_len()) *
+                 double(w.heads * w.batch);
   const double scale = 1.0 / std::sqrt(double(w.head_size));
   if (m.check_rows > 0 && w.joint_rows == 0) {
     report.check = masked_reference_check(w, in, out, s, scale, m.check_rows);
@@ -191,10 +198,6 @@ void sparse_report(const Measurement& m, const AttentionConfig& config, const Wo
     den += b * b;
   }
   report.dense_rel_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace
@@ -228,8 +231,9 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
       ->capture_default_str();
   auto* sparsity =
       command
-          .add_option("--sparsity", options.sparsity,
-                      "VIDEO_SPARSE top-k: fraction of the video key blocks skipped (default 0.875)")
+          .add_option(
+              "--sparsity", options.sparsity,
+              "VIDEO_SPARSE top-k: fraction of the video key blocks skipped (default 0.875)")
           ->check(CLI::Range(0.0, 0.999999));
   auto* topk = command
                    .add_option("--topk", options.topk,

@@ -37,9 +37,12 @@ nlohmann::json to_json(const RunReport& r) {
   j["max_rel_err"] = r.check ? finite_or_null(r.check->max_rel_err) : nlohmann::json(nullptr);
   j["checked_against"] = r.checked_against;
   j["signal"] = r.signal;
-  j["block_sparsity"] = r.block_sparsity ? nlohmann::json(*r.block_sparsity) : nlohmann::json(nullptr);
+  j["block_sparsity"] =
+      r.block_sparsity ? nlohmann::json(*r.block_sparsity) : nlohmann::json(nullptr);
   j["dense_rel_err"] = r.dense_rel_err ? finite_or_null(*r.dense_rel_err) : nlohmann::json(nullptr);
   j["dense_flops"] = r.dense_flops;
+  j["selection_seconds"] =
+      r.selection_seconds ? nlohmann::json(*r.selection_seconds) : nlohmann::json(nullptr);
   return j;
 }
 
@@ -60,15 +63,19 @@ void print_text(std::ostream& os, const RunReport& r) {
   if (r.check) {
     label("accuracy") << std::scientific << std::setprecision(3) << "max abs err "
                       << r.check->max_abs_err << ", max rel err " << r.check->max_rel_err
-                      << " over " << r.check->rows << " rows checked against "
-                      << r.checked_against << '\n';
+                      << " over " << r.check->rows << " rows checked against " << r.checked_against
+                      << '\n';
   } else {
     label("accuracy") << "not checked (--check-rows 0)\n";
   }
   if (r.block_sparsity) {
     label("sparsity") << std::fixed << std::setprecision(2) << 100.0 * *r.block_sparsity
                       << "% of the (query, key) pairs skipped; " << std::setprecision(3)
-                      << r.dense_flops * 1e-9 << " GFLOP dense\n";
+                      << r.dense_flops * 1e-9 << " GFLOP dense";
+    if (r.selection_seconds)
+      os << "; tiling + selection " << std::setprecision(4) << *r.selection_seconds << " s ("
+         << std::setprecision(1) << 100.0 * *r.selection_seconds / r.seconds << "% of the call)";
+    os << '\n';
     label("vs dense");
     if (r.dense_rel_err)
       os << std::scientific << std::setprecision(3) << *r.dense_rel_err

@@ -45,6 +45,9 @@ struct RunReport {
   std::optional<double> block_sparsity;  // fraction of (query, key) pairs skipped
   std::optional<double> dense_rel_err;   // ||out - dense|| / ||dense|| over the whole output
   double dense_flops = 0;                // attention_flops() of the dense call
+  // Time to tile the layout and select the blocks once, outside the timed calls (an upper
+  // bound of what each call spends on it: the backend caches the tiling).
+  std::optional<double> selection_seconds;
 };
 
 // One flat JSON object; the error keys are null when no rows were checked.

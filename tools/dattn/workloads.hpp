@@ -83,7 +83,8 @@ WorkloadInputs build_workload_inputs(const Workload& workload, DType dtype, std:
 
 // Replaces the Q, K and V values of the video rows of a BSHD workload with a smooth signal of
 // their (t, h, w) position: per head and channel, sin(a t + b h + c w + phase) plus a little
-// noise, the same frequencies for Q and K, so that attention is local as in a real video.
+// noise, the same frequencies for Q and K (Q scaled by 2.5), so that attention is local and
+// peaked as in a trained video model.
 // Rows outside the video grids keep their random values. No-op for packed workloads.
 void fill_smooth_video_signal(WorkloadInputs& inputs, const Workload& workload, std::uint64_t seed);
 

@@ -53,8 +53,8 @@ std::array<i64, 3> triple(const OptionValue& v, const std::string& key) {
 i64 integer(const OptionValue& v, const std::string& key, i64 lo, i64 hi) {
   const auto* n = std::get_if<i64>(&v);
   if (n == nullptr || *n < lo || *n > hi)
-    invalid(key, key + " must be an integer in [" + std::to_string(lo) + ", " +
-                     std::to_string(hi) + "]");
+    invalid(key, key + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                     "]");
   return *n;
 }
 
@@ -200,8 +200,8 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
   std::vector<i64> video;
   for (i64 kb = 0; kb < nk; ++kb)
     if (!kblocks[std::size_t(kb)].dense) video.push_back(kb);
-  const i64 k = std::min<i64>(o.topk_for(static_cast<i64>(video.size())),
-                              static_cast<i64>(video.size()));
+  const i64 k =
+      std::min<i64>(o.topk_for(static_cast<i64>(video.size())), static_cast<i64>(video.size()));
   BlockMap m;
   m.batch = p.batch;
   m.heads = p.hq;
@@ -271,7 +271,8 @@ void accumulate(const RowRef& r, i64 b, i64 head, i64 width, float* acc) {
     for (i64 e = 0; e < width; ++e) acc[e] += src[e];
     return;
   }
-  for (i64 e = 0; e < width; ++e) acc[e] += load_as_f32(t.data(), t.dtype(), base + e * t.stride(3));
+  for (i64 e = 0; e < width; ++e)
+    acc[e] += load_as_f32(t.data(), t.dtype(), base + e * t.stride(3));
 }
 
 }  // namespace
@@ -317,7 +318,8 @@ double BlockMap::sparsity(const VideoTiling& queries, const VideoTiling& keys) c
     for (i64 h = 0; h < heads; ++h)
       for (i64 qb = 0; qb < query_blocks; ++qb) {
         i64 keys_seen = 0;
-        for (std::int32_t kb : selected(b, h, qb)) keys_seen += keys.blocks()[std::size_t(kb)].size();
+        for (std::int32_t kb : selected(b, h, qb))
+          keys_seen += keys.blocks()[std::size_t(kb)].size();
         computed += double(queries.blocks()[std::size_t(qb)].size()) * double(keys_seen);
       }
   return 1.0 - computed / total;
@@ -438,11 +440,11 @@ VideoSparseSelection video_sparse_selection(const AttentionConfig& config,
       config.softmax_scale.value_or(1.0 / std::sqrt(double(std::max<i64>(config.head_size, 1))));
   detail::PrepareOptions opts;
   opts.honour_packed_padding = false;  // as VIDEO_SPARSE, which does not claim it
-  const detail::PreparedCall call = detail::prepare_call(
-      config, scale, config.num_kv_heads.value_or(config.num_heads), in, opts);
+  const detail::PreparedCall call =
+      detail::prepare_call(config, scale, config.num_kv_heads.value_or(config.num_heads), in, opts);
   const AttentionProblem& p = call.problem;
-  VideoSparseSelection s{{}, VideoSparseOptions::from(config.backend_options, p.backend_options),
-                         {}};
+  VideoSparseSelection s{
+      {}, VideoSparseOptions::from(config.backend_options, p.backend_options), {}};
   s.tiling = tile_call(p, s.options);
   s.map = select_blocks(p, s.tiling, s.options, nullptr);
   return s;

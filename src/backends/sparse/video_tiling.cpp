@@ -31,9 +31,10 @@ std::vector<Stretch> stretches_of(const VideoTokenLayout& layout, i64 seq_len, i
   const bool tail = layout.prefix_len.has_value() || layout.latent_grid.has_value();
   const bool spans = layout.used_len.has_value() || !layout.video_spans.empty();
   if (tail == spans)
-    invalid("video_layout", "give either prefix_len + latent_grid (one-tail form) or used_len + "
-                            "video_spans (span form), not " +
-                                std::string(tail ? "both" : "neither"));
+    invalid("video_layout",
+            "give either prefix_len + latent_grid (one-tail form) or used_len + "
+            "video_spans (span form), not " +
+                std::string(tail ? "both" : "neither"));
   std::vector<VideoTokenSpan> grids;
   if (tail) {
     if (!layout.prefix_len || !layout.latent_grid)
@@ -51,8 +52,8 @@ std::vector<Stretch> stretches_of(const VideoTokenLayout& layout, i64 seq_len, i
   std::vector<Stretch> out;
   for (std::size_t i = 0; i < grids.size(); ++i) {
     const VideoTokenSpan& s = grids[i];
-    const std::string field = tail ? "video_layout.latent_grid"
-                                   : "video_layout.video_spans[" + std::to_string(i) + "]";
+    const std::string field =
+        tail ? "video_layout.latent_grid" : "video_layout.video_spans[" + std::to_string(i) + "]";
     for (i64 n : s.latent_grid)
       if (n <= 0 || n > (i64(1) << 20))
         invalid(field, "latent_grid " + grid_text(s.latent_grid) +
@@ -71,9 +72,9 @@ std::vector<Stretch> stretches_of(const VideoTokenLayout& layout, i64 seq_len, i
                                          " ends before the last span (ends at " +
                                          std::to_string(end) + ")");
   if (used > seq_len)
-    invalid(tail ? "video_layout" : "video_layout.used_len",
-            "used length " + std::to_string(used) + " is past the sequence's " +
-                std::to_string(seq_len) + " rows");
+    invalid(tail ? "video_layout" : "video_layout.used_len", "used length " + std::to_string(used) +
+                                                                 " is past the sequence's " +
+                                                                 std::to_string(seq_len) + " rows");
   if (used > end) out.push_back({end, used - end, std::nullopt});
   return out;
 }
