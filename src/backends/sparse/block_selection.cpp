@@ -229,6 +229,7 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
         }
         const float* pk = pooled.k.data() + ((b * p.hkv + h / group) * nk + kb) * p.d;
         float s = 0;
+#pragma omp simd reduction(+ : s)
         for (i64 e = 0; e < p.d; ++e) s += pq[e] * pk[e];
         score[n] = s;
       }
