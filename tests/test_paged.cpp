@@ -7,6 +7,7 @@
 
 #include "dattn/attention.hpp"
 #include "dattn/errors.hpp"
+#include "dattn/registry.hpp"
 #include "test_inputs.hpp"
 
 namespace dattn {
@@ -23,8 +24,12 @@ TEST(Paged, SlotMappingExample) {
   EXPECT_THROW(paged_slot(table, 4, 8), InvalidArgument);
 }
 
-Attention reference(i64 hq, i64 hkv, i64 d, bool causal) {
-  return Attention(testing::layer_config("REFERENCE", hq, hkv, d, causal));
+// The backends that claim supports_paged_kv.
+std::vector<std::string> paged_backends() {
+  std::vector<std::string> names;
+  for (const auto& b : Registry::global().all())
+    if (b->supports_paged_kv()) names.push_back(b->name());
+  return names;
 }
 
 // A multi-layer cache holding `layers` layers; returns layer `layer`'s view in either layout.
@@ -117,31 +122,91 @@ TEST(Paged, EqualsDenseOnTheLogicalSequenceForPermutedPagesAndBothLayouts) {
         call.v_new = vn.view();
         call.out = out.view();
         call.lse = lse.view();
-        const Attention layer = reference(hq, hkv, d, causal);
-        layer.forward_paged(call);
-        // Dense attention on each logical sequence.
-        t0 = 0;
-        for (std::size_t r = 0; r < seqs.size(); ++r) {
-          const i64 n = call.rows[r].query_len;
-          AttentionConfig c;
-          c.num_heads = hq;
-          c.num_kv_heads = hkv;
-          c.head_size = d;
-          c.causal = causal;
-          c.softmax_scale = 0.3;
-          c.backend = "REFERENCE";
-          c.qkv_layout = QkvLayout::THD;
-          const TensorView fk = full_k[r].view(), fv = full_v[r].view();
-          const auto thd = testing::without_batch_dim;
-          const auto dense =
-              Attention(c).forward(q.view().sliced(0, t0, n), thd(fk), thd(fv), {}, true);
-          const auto diff = testing::compare(out.view().sliced(0, t0, n), dense.out.view());
-          EXPECT_FALSE(diff.nan);
-          EXPECT_LE(diff.max_abs, 1e-6);
-          EXPECT_LE(testing::compare(lse.view().sliced(1, t0, n), dense.lse->view()).max_abs, 1e-5);
-          t0 += n;
+        for (const std::string& backend : paged_backends()) {
+          SCOPED_TRACE(backend);
+          std::fill(out.data_as<float>(), out.data_as<float>() + out.numel(), NAN);
+          const Attention layer(testing::layer_config(backend, hq, hkv, d, causal));
+          layer.forward_paged(call);
+          // Dense attention on each logical sequence.
+          t0 = 0;
+          for (std::size_t r = 0; r < seqs.size(); ++r) {
+            const i64 n = call.rows[r].query_len;
+            AttentionConfig c;
+            c.num_heads = hq;
+            c.num_kv_heads = hkv;
+            c.head_size = d;
+            c.causal = causal;
+            c.softmax_scale = 0.3;
+            c.backend = "REFERENCE";
+            c.qkv_layout = QkvLayout::THD;
+            const TensorView fk = full_k[r].view(), fv = full_v[r].view();
+            const auto thd = testing::without_batch_dim;
+            const auto dense =
+                Attention(c).forward(q.view().sliced(0, t0, n), thd(fk), thd(fv), {}, true);
+            const auto diff = testing::compare(out.view().sliced(0, t0, n), dense.out.view());
+            EXPECT_FALSE(diff.nan);
+            EXPECT_LE(diff.max_abs, 1e-6);
+            EXPECT_LE(testing::compare(lse.view().sliced(1, t0, n), dense.lse->view()).max_abs,
+                      1e-5);
+            t0 += n;
+          }
         }
       }
+}
+
+// Every paged backend against REFERENCE on the same pool: half-precision pages, GQA 4:1, a head
+// size that is no multiple of a SIMD width, odd lengths, many rows, causal or not.
+TEST(Paged, HalfPrecisionPagesWithGqaMatchReference) {
+  const i64 hq = 8, hkv = 2, d = 80, bs = 16, blocks = 40;
+  for (const DType dtype : {DType::BF16, DType::F16, DType::F32})
+    for (const bool causal : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (causal ? " causal" : ""));
+      Tensor pool_k = random_tensor({blocks, bs, hkv, d}, dtype, 1);
+      Tensor pool_v = random_tensor({blocks, bs, hkv, d}, dtype, 2);
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), std::mt19937(5));
+      // {seq_len, new rows}: a long cached prefix, a fresh sequence, a single query.
+      const std::vector<std::pair<i64, i64>> seqs{{301, 77}, {45, 45}, {133, 1}};
+      std::vector<PagedRow> rows;
+      std::size_t next = 0;
+      i64 total = 0;
+      for (const auto& [len, fresh] : seqs) {
+        PagedRow r{fresh, len, len - fresh, {}};
+        for (i64 pg = 0; pg < (len + bs - 1) / bs; ++pg) r.block_table.push_back(ids[next++]);
+        rows.push_back(r);
+        total += fresh;
+      }
+      const Tensor q = random_tensor({total, hq, d}, dtype, 3);
+      const Tensor kn = random_tensor({total, hkv, d}, dtype, 4);
+      const Tensor vn = random_tensor({total, hkv, d}, dtype, 5);
+      const auto run = [&](const std::string& backend, Tensor& pk, Tensor& pv) {
+        PagedAttentionCall call;
+        Tensor out = Tensor::zeros({total, hq, d}, dtype);
+        Tensor lse = Tensor::zeros({hq, total}, DType::F32);
+        call.q = q.view(), call.k_new = kn.view(), call.v_new = vn.view();
+        call.out = out.view(), call.lse = lse.view();
+        call.cache = {pk.view(), pv.view()};
+        call.rows = rows;
+        call.causal = causal;
+        call.softmax_scale = 1.0 / std::sqrt(double(d));
+        Attention(testing::layer_config(backend, hq, hkv, d, causal)).forward_paged(call);
+        return std::pair{out, lse};
+      };
+      Tensor ref_k = Tensor::copy_of(pool_k.view()), ref_v = Tensor::copy_of(pool_v.view());
+      const auto want = run("REFERENCE", ref_k, ref_v);
+      for (const std::string& backend : paged_backends()) {
+        SCOPED_TRACE(backend);
+        Tensor k = Tensor::copy_of(pool_k.view()), v = Tensor::copy_of(pool_v.view());
+        const auto got = run(backend, k, v);
+        EXPECT_TRUE(testing::bitwise_equal(k, ref_k)) << "new K written differently";
+        EXPECT_TRUE(testing::bitwise_equal(v, ref_v)) << "new V written differently";
+        const auto diff = testing::compare(got.first.view(), want.first.view());
+        EXPECT_FALSE(diff.nan);
+        EXPECT_LE(diff.normwise_rel, testing::tolerance_for(dtype));
+        EXPECT_LE(testing::compare(got.second.view(), want.second.view()).max_abs, 1e-4);
+      }
+    }
 }
 
 TEST(Paged, InvalidCallsRaiseAndLeaveThePoolUntouched) {
@@ -151,32 +216,35 @@ TEST(Paged, InvalidCallsRaiseAndLeaveThePoolUntouched) {
   const Tensor before = Tensor::copy_of(cache.storage.view());
   Tensor q = random_tensor({4, 1, d}, DType::F32, 1), kn = random_tensor({4, 1, d}, DType::F32, 2);
   Tensor out = Tensor::zeros({4, 1, d}, DType::F32);
-  const Attention layer = reference(1, 1, d, false);
-  const auto call_with = [&](std::vector<PagedRow> rows, bool causal = false) {
-    PagedAttentionCall c;
-    c.q = q.view();
-    c.k_new = kn.view();
-    c.v_new = kn.view();
-    c.out = out.view();
-    c.cache = {cache.k, cache.v};
-    c.rows = std::move(rows);
-    c.causal = causal;
-    return c;
-  };
-  const std::vector<std::vector<PagedRow>> bad{
-      {{4, 3, 0, {0}}},                  // kv_start_pos + query_len > seq_len
-      {{4, 9, 0, {0, 1}}},               // table too short for seq_len
-      {{4, 4, 0, {7}}},                  // page id outside the pool
-      {{2, 2, 0, {1}}, {2, 2, 0, {1}}},  // two rows write the same slots
-      {{3, 4, 0, {0}}},                  // total rows 3 != 4 packed rows
-      {{-1, 4, 0, {0}}},
-  };
-  for (const auto& rows : bad) {
-    EXPECT_THROW(layer.forward_paged(call_with(rows)), InvalidArgument);
+  for (const std::string& backend : paged_backends()) {
+    SCOPED_TRACE(backend);
+    const Attention layer(testing::layer_config(backend, 1, 1, d, false));
+    const auto call_with = [&](std::vector<PagedRow> rows, bool causal = false) {
+      PagedAttentionCall c;
+      c.q = q.view();
+      c.k_new = kn.view();
+      c.v_new = kn.view();
+      c.out = out.view();
+      c.cache = {cache.k, cache.v};
+      c.rows = std::move(rows);
+      c.causal = causal;
+      return c;
+    };
+    const std::vector<std::vector<PagedRow>> bad{
+        {{4, 3, 0, {0}}},                  // kv_start_pos + query_len > seq_len
+        {{4, 9, 0, {0, 1}}},               // table too short for seq_len
+        {{4, 4, 0, {7}}},                  // page id outside the pool
+        {{2, 2, 0, {1}}, {2, 2, 0, {1}}},  // two rows write the same slots
+        {{3, 4, 0, {0}}},                  // total rows 3 != 4 packed rows
+        {{-1, 4, 0, {0}}},
+    };
+    for (const auto& rows : bad) {
+      EXPECT_THROW(layer.forward_paged(call_with(rows)), InvalidArgument);
+      EXPECT_TRUE(testing::bitwise_equal(cache.storage, before));
+    }
+    EXPECT_THROW(layer.forward_paged(call_with({{4, 8, 2, {0, 1}}}, true)), InvalidArgument);
     EXPECT_TRUE(testing::bitwise_equal(cache.storage, before));
   }
-  EXPECT_THROW(layer.forward_paged(call_with({{4, 8, 2, {0, 1}}}, true)), InvalidArgument);
-  EXPECT_TRUE(testing::bitwise_equal(cache.storage, before));
 }
 
 }  // namespace

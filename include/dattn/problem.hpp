@@ -84,6 +84,14 @@ struct RowRef {
   std::int64_t row;
 };
 
+// Keys read through block tables (a paged call, SPEC §10): k and v of the problem are the page
+// pools [num_blocks, block_size, Hkv, D]; key j of segment s lives in page
+// tables[s][j / block_size], slot j % block_size.
+struct PagedKeys {
+  std::int64_t block_size = 0;
+  std::vector<const std::vector<std::int32_t>*> tables;  // one per segment
+};
+
 struct AttentionProblem {
   // Shapes, joint rows included: Q [B, Sq, Hq, D], K [B, Skv, Hkv, D], V [B, Skv, Hkv, Dv],
   // out [B, Sq, Hq, Dv], lse f32 [B, Hq, Sq]. q, k and v hold the caller's own rows
@@ -93,6 +101,7 @@ struct AttentionProblem {
   TensorView q, k, v, out;
   std::optional<JointRows> joint;
   std::optional<TensorView> lse;
+  std::optional<PagedKeys> paged;  // set by a backend's forward_paged, never by the layer
 
   RowRef q_row(std::int64_t i) const { return locate(q, joint ? &joint->q : nullptr, i); }
   RowRef k_row(std::int64_t j) const { return locate(k, joint ? &joint->k : nullptr, j); }

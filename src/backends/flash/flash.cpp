@@ -24,6 +24,7 @@
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "dattn/errors.hpp"
+#include "dattn/paged.hpp"
 
 namespace dattn {
 
@@ -201,8 +202,8 @@ class Worker {
       // them in place, H * D elements apart, cost more in cache-set conflicts and TLB misses
       // than the copy (measured on flux-1024: 47% -> 58% of peak with 24 heads).
       const i64 ahead = std::min(kBlockKeys, kmax - j0 - n);
-      convert_rows(&AttentionProblem::k_row, b, hk, j0, n, d, s.k, s.ld_k, ahead);
-      convert_rows(&AttentionProblem::v_row, b, hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
+      convert_rows(false, w.segment, b, hk, j0, n, d, s.k, s.ld_k, ahead);
+      convert_rows(true, w.segment, b, hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
       kk_.qk(s.k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d));
       if (j0 + n > kmin || p_.mask.kind != MaskKind::none)
         hide(w, s, b, j0, n, rows, j0 + n > kmin);
@@ -276,23 +277,34 @@ class Worker {
   // the first `ahead` rows of the next tile are prefetched meanwhile (rows lie H * D elements
   // apart, too far for the hardware prefetchers; one row per row converted spreads the
   // requests out: +3-4 points of peak over one burst per tile).
-  void convert_rows(RowRef (AttentionProblem::*row_of)(i64) const, i64 b, i64 hk, i64 j0, i64 n,
-                    i64 width, float* dst, i64 ld, i64 ahead) const {
+  void convert_rows(bool value, std::size_t segment, i64 b, i64 hk, i64 j0, i64 n, i64 width,
+                    float* dst, i64 ld, i64 ahead) const {
     for (i64 jj = 0; jj < n; ++jj) {
       if (jj < ahead) {  // the same row of the next tile, into L2 while this tile computes
-        const RowRef next = (p_.*row_of)(j0 + n + jj);
-        const TensorView& t = *next.view;
-        const i64 es = i64(dtype_size(t.dtype()));
-        const char* row = static_cast<const char*>(t.data()) +
-                          (b * t.stride(0) + next.row * t.stride(1) + hk * t.stride(2)) * es;
+        const auto [t, at] = kv_row(value, segment, b, j0 + n + jj, hk);
+        const i64 es = i64(dtype_size(t->dtype()));
+        const char* row = static_cast<const char*>(t->data()) + at * es;
         for (i64 off = 0; off < width * es; off += 64) __builtin_prefetch(row + off, 0, 2);
       }
-      const RowRef here = (p_.*row_of)(j0 + jj);
-      const TensorView& t = *here.view;
-      load_elements(t, b * t.stride(0) + here.row * t.stride(1) + hk * t.stride(2), width, 1.0f,
-                    dst + jj * ld);
+      const auto [t, at] = kv_row(value, segment, b, j0 + jj, hk);
+      load_elements(*t, at, width, 1.0f, dst + jj * ld);
       std::fill(dst + jj * ld + width, dst + (jj + 1) * ld, 0.0f);
     }
+  }
+
+  // Where key row j of head hk lives: the tensor and the element offset of its first element
+  // (through the segment's block table for a paged call).
+  std::pair<const TensorView*, i64> kv_row(bool value, std::size_t segment, i64 b, i64 j,
+                                           i64 hk) const {
+    if (p_.paged) {
+      const TensorView& t = value ? p_.v : p_.k;
+      const i64 bs = p_.paged->block_size;
+      const i64 page = (*p_.paged->tables[segment])[std::size_t(j / bs)];
+      return {&t, page * t.stride(0) + (j % bs) * t.stride(1) + hk * t.stride(2)};
+    }
+    const RowRef r = value ? p_.v_row(j) : p_.k_row(j);
+    const TensorView& t = *r.view;
+    return {&t, b * t.stride(0) + r.row * t.stride(1) + hk * t.stride(2)};
   }
 
   // Reads `n` elements along the last dim starting at element offset `base`, scaled.
@@ -479,6 +491,83 @@ class FlashImpl final : public Impl {
     return plan;
   }
 
+  // SPEC §10: writes the rows' new K/V into their slots, then runs the same work items as a
+  // dense call with one segment per row whose keys [0, seq_len) are read through the row's
+  // block table (any block stride: either layout of a multi-layer cache).
+  void forward_paged(const PagedAttentionCall& call) const override {
+    const ImplConfig& c = config();
+    validate_paged_call(call, c.num_heads, c.num_kv_heads, c.head_size);
+    if (call.q.platform() != Platform::cpu) no_platform(call.q.platform());
+    const TensorView& kp = call.cache.k_pages;
+    const TensorView& vp = call.cache.v_pages;
+    const i64 bs = kp.size(1), hkv = kp.size(2);
+    const TileKernels& kk = kernels_for(isa_);
+    std::vector<float> row(std::size_t(std::max(kp.size(3), vp.size(3))));
+    i64 t0 = 0;
+    for (const PagedRow& r : call.rows) {
+      for (i64 n = 0; n < r.query_len; ++n) {
+        const i64 slot = paged_slot(r.block_table, bs, r.kv_start_pos + n);
+        for (i64 h = 0; h < hkv; ++h)
+          for (const auto& [src, dst] :
+               {std::pair{&call.k_new, &kp}, std::pair{&call.v_new, &vp}}) {
+            const i64 width = dst->size(3);
+            const i64 from = (t0 + n) * src->stride(0) + h * src->stride(1);
+            const i64 to =
+                (slot / bs) * dst->stride(0) + (slot % bs) * dst->stride(1) + h * dst->stride(2);
+            for (i64 e = 0; e < width; ++e)
+              row[std::size_t(e)] =
+                  load_as_f32(src->data(), src->dtype(), from + e * src->stride(2));
+            if (dst->stride(3) == 1) {
+              kk.store_row(
+                  row.data(), 1.0f, width, dst->dtype(),
+                  static_cast<std::byte*>(dst->data()) + to * i64(dtype_size(dst->dtype())));
+            } else {
+              for (i64 e = 0; e < width; ++e)
+                store_from_f32(dst->data(), dst->dtype(), to + e * dst->stride(3),
+                               row[std::size_t(e)]);
+            }
+          }
+      }
+      t0 += r.query_len;
+    }
+
+    AttentionProblem p;
+    const auto as_batch = [](const TensorView& t) {  // [T, H, E] -> [1, T, H, E]
+      const std::array<i64, 4> shape{1, t.size(0), t.size(1), t.size(2)};
+      const std::array<i64, 4> strides{0, t.stride(0), t.stride(1), t.stride(2)};
+      return TensorView(t.data(), t.dtype(), shape, strides, t.platform());
+    };
+    p.batch = 1;
+    p.sq = t0;
+    p.hq = c.num_heads;
+    p.hkv = hkv;
+    p.d = kp.size(3);
+    p.dv = vp.size(3);
+    p.q = as_batch(call.q);
+    p.out = as_batch(call.out);
+    p.k = kp;
+    p.v = vp;
+    if (call.lse) {
+      const TensorView& l = *call.lse;
+      const std::array<i64, 3> shape{1, l.size(0), l.size(1)};
+      const std::array<i64, 3> strides{0, l.stride(0), l.stride(1)};
+      p.lse = TensorView(l.data(), l.dtype(), shape, strides);
+    }
+    p.softmax_scale = call.softmax_scale;
+    p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
+    p.paged = PagedKeys{bs, {}};
+    i64 q0 = 0;
+    for (const PagedRow& r : call.rows) {
+      p.skv = std::max(p.skv, r.seq_len);
+      if (r.query_len > 0) {
+        p.segments.push_back({0, q0, q0 + r.query_len, 0, r.seq_len, r.seq_len - r.query_len, 0});
+        p.paged->tables.push_back(&r.block_table);
+      }
+      q0 += r.query_len;
+    }
+    run(*plan(p), p);
+  }
+
  protected:
   void run_cpu(const Plan& base, const AttentionProblem& p) const override {
     const auto& plan = static_cast<const FlashPlan&>(base);
@@ -517,6 +606,8 @@ class FlashBackend final : public Backend {
   bool supports_prefix_kv_slicing() const override { return true; }
   bool supports_packed_mask_free() const override { return true; }
   bool supports_multi_doc_packed_varlen() const override { return true; }
+  bool supports_paged_kv() const override { return true; }
+  bool indexes_kv_by_block_stride() const override { return true; }
   std::optional<std::vector<Platform>> supported_platforms() const override {
     return std::vector<Platform>{Platform::cpu};
   }
