@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "dattn/attention.hpp"
 #include "dattn/errors.hpp"
@@ -244,6 +245,103 @@ TEST(Paged, InvalidCallsRaiseAndLeaveThePoolUntouched) {
     }
     EXPECT_THROW(layer.forward_paged(call_with({{4, 8, 2, {0, 1}}}, true)), InvalidArgument);
     EXPECT_TRUE(testing::bitwise_equal(cache.storage, before));
+  }
+}
+
+// int8 / fp8 pages: values round-trip within the format's bound (also after a later call grows
+// a page's scale), attention stays close to f32 pages, and every paged backend reads the codes
+// alike.
+TEST(Paged, QuantizedPagesRoundTripAndAttendCloseToF32) {
+  const i64 hq = 4, hkv = 2, d = 64, bs = 16, blocks = 24, seq = 200;
+  for (const DType code : {DType::I8, DType::FP8_E4M3}) {
+    SCOPED_TRACE(dtype_name(code));
+    Tensor pk = Tensor::zeros({blocks, bs, hkv, d}, code),
+           pv = Tensor::zeros({blocks, bs, hkv, d}, code);
+    Tensor ks = Tensor::zeros({blocks, hkv}, DType::F32),
+           vs = Tensor::zeros({blocks, hkv}, DType::F32);
+    Tensor fk = Tensor::zeros({blocks, bs, hkv, d}, DType::F32),
+           fv = Tensor::zeros({blocks, bs, hkv, d}, DType::F32);
+    std::vector<std::int32_t> table(static_cast<std::size_t>(blocks));
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(3));
+    const Tensor k_all = random_tensor({seq, hkv, d}, DType::F32, 7);
+    Tensor v_all = random_tensor({seq, hkv, d}, DType::F32, 8);
+    // The second call's values are 4x larger: pages shared with the first call grow their scale.
+    for (i64 n = 150 * hkv * d; n < v_all.numel(); ++n) v_all.data_as<float>()[n] *= 4.0f;
+    const auto step = [&](i64 start, i64 fresh, const std::string& backend, Tensor& out) {
+      const Tensor q = random_tensor({fresh, hq, d}, DType::F32, 9 + unsigned(start));
+      PagedAttentionCall call;
+      call.q = q.view();
+      call.k_new = k_all.view().sliced(0, start, fresh);
+      call.v_new = v_all.view().sliced(0, start, fresh);
+      call.out = out.view();
+      call.rows = {{fresh, start + fresh, start, table}};
+      call.softmax_scale = 0.125;
+      const Attention layer(testing::layer_config(backend, hq, hkv, d));
+      call.cache = {pk.view(), pv.view(), ks.view(), vs.view()};
+      layer.forward_paged(call);
+      call.cache = {fk.view(), fv.view()};
+      Tensor f32_out = Tensor::zeros({fresh, hq, d}, DType::F32);
+      call.out = f32_out.view();
+      layer.forward_paged(call);
+      return f32_out;
+    };
+    for (const std::string& backend : paged_backends()) {
+      SCOPED_TRACE(backend);
+      Tensor out1 = Tensor::zeros({150, hq, d}, DType::F32),
+             out2 = Tensor::zeros({50, hq, d}, DType::F32);
+      const Tensor want1 = step(0, 150, backend, out1);
+      const Tensor want2 = step(150, 50, backend, out2);
+      // Round trip of every written value, against the bound of its page's final scale.
+      double worst = 0;
+      for (i64 pos = 0; pos < seq; ++pos) {
+        const i64 slot = paged_slot(table, bs, pos);
+        for (i64 h = 0; h < hkv; ++h)
+          for (i64 e = 0; e < d; ++e)
+            for (const auto& [pages, scales, src] :
+                 {std::tuple<const Tensor*, const Tensor*, const Tensor*>{&pk, &ks, &k_all},
+                  std::tuple<const Tensor*, const Tensor*, const Tensor*>{&pv, &vs, &v_all}}) {
+              const float x = src->template data_as<float>()[(pos * hkv + h) * d + e];
+              const float got =
+                  paged_value(pages->view(), scales->view(), slot / bs, slot % bs, h, e);
+              const float scale = scales->template data_as<float>()[(slot / bs) * hkv + h];
+              // int8: half a step, twice (a value re-encoded when its page's scale grew).
+              // fp8: 2^-4 relative (3 mantissa bits), twice, or half a subnormal step.
+              const double bound = code == DType::I8
+                                       ? double(scale)
+                                       : std::max(std::fabs(x) * 0.13, double(scale) * 0x1p-9);
+              worst = std::max(worst, std::fabs(got - x) / bound);
+            }
+      }
+      EXPECT_LE(worst, 1.0);
+      // What one scale per (page, head) allows on N(0, 1) inputs: int8 steps of absmax / 127
+      // (~0.8% rms per value) and fp8's 3 mantissa bits (~3.6% rms) give 1.1e-2 and 3.8e-2
+      // here, through both the logits and the values.
+      const double limit = code == DType::I8 ? 1.5e-2 : 5e-2;
+      EXPECT_LE(testing::compare(out1.view(), want1.view()).normwise_rel, limit);
+      EXPECT_LE(testing::compare(out2.view(), want2.view()).normwise_rel, limit);
+      // Reset the pools for the next backend.
+      std::fill(ks.data_as<float>(), ks.data_as<float>() + ks.numel(), 0.0f);
+      std::fill(vs.data_as<float>(), vs.data_as<float>() + vs.numel(), 0.0f);
+    }
+  }
+}
+
+TEST(Paged, QuantizedPagesNeedTheirScales) {
+  Tensor pk = Tensor::zeros({2, 4, 1, 8}, DType::I8), pv = Tensor::zeros({2, 4, 1, 8}, DType::F32);
+  Tensor q = random_tensor({3, 1, 8}, DType::F32, 1), kn = random_tensor({3, 1, 8}, DType::F32, 2);
+  Tensor out = Tensor::zeros({3, 1, 8}, DType::F32);
+  PagedAttentionCall call;
+  call.q = q.view(), call.k_new = kn.view(), call.v_new = kn.view(), call.out = out.view();
+  call.rows = {{3, 3, 0, {1}}};
+  call.cache = {pk.view(), pv.view()};
+  for (const std::string& backend : paged_backends()) {
+    try {
+      Attention(testing::layer_config(backend, 1, 1, 8)).forward_paged(call);
+      ADD_FAILURE() << backend << " accepted int8 pages without scales";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.field(), "cache.k_scales");
+    }
   }
 }
 

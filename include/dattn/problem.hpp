@@ -90,6 +90,8 @@ struct RowRef {
 struct PagedKeys {
   std::int64_t block_size = 0;
   std::vector<const std::vector<std::int32_t>*> tables;  // one per segment
+  // int8 / fp8 pages: f32 scales [num_blocks, Hkv] (value = code x scale).
+  std::optional<TensorView> k_scales, v_scales;
 };
 
 struct AttentionProblem {

@@ -1,7 +1,9 @@
 #include "dattn/paged.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
+#include <tuple>
 #include <unordered_set>
 
 #include "dattn/errors.hpp"
@@ -42,11 +44,21 @@ void validate_paged_call(const PagedAttentionCall& call, std::int64_t num_heads,
     invalid("cache.v_pages",
             "must match k_pages in blocks, block size and heads; got " + vp.describe());
   const std::int64_t dv = vp.size(3);
-  for (const auto& [t, name] : {std::pair{&kp, "cache.k_pages"}, std::pair{&vp, "cache.v_pages"}})
-    if (!is_float_input_dtype(t->dtype()))
-      throw Unsupported(name, std::string(name) + ": page dtype " +
-                                  std::string(dtype_name(t->dtype())) +
-                                  " is not supported here; valid: f32, bf16, f16");
+  const auto check_pages = [&](const TensorView& t, const std::optional<TensorView>& scales,
+                               const char* name, const char* scales_name) {
+    if (!is_float_input_dtype(t.dtype()) && !is_quantized_page_dtype(t.dtype()))
+      invalid(name, std::string("page dtype ") + std::string(dtype_name(t.dtype())) +
+                        " is not valid; valid: f32, bf16, f16, int8, fp8_e4m3");
+    if (!is_quantized_page_dtype(t.dtype())) return;
+    if (!scales || scales->dtype() != DType::F32 || scales->ndim() != 2 || scales->size(0) != nb ||
+        scales->size(1) != num_kv_heads || scales->platform() != t.platform())
+      invalid(scales_name, std::string(dtype_name(t.dtype())) + " pages need f32 scales [" +
+                               std::to_string(nb) + ", " + std::to_string(num_kv_heads) +
+                               "] next to them; got " +
+                               (scales ? scales->describe() : std::string("none")));
+  };
+  check_pages(kp, call.cache.k_scales, "cache.k_pages", "cache.k_scales");
+  check_pages(vp, call.cache.v_scales, "cache.v_pages", "cache.v_scales");
 
   std::int64_t total = 0;
   for (const PagedRow& r : call.rows) total += std::max<std::int64_t>(r.query_len, 0);
@@ -101,6 +113,103 @@ void validate_paged_call(const PagedAttentionCall& call, std::int64_t num_heads,
       if (!written.insert(paged_slot(r.block_table, bs, pos)).second)
         invalid(row, "writes slot " + std::to_string(paged_slot(r.block_table, bs, pos)) +
                          " that another row of this call also writes");
+  }
+}
+
+bool is_quantized_page_dtype(DType dtype) {
+  return dtype == DType::I8 || dtype == DType::FP8_E4M3;
+}
+
+namespace {
+
+std::int64_t page_offset(const TensorView& t, std::int64_t page, std::int64_t slot,
+                         std::int64_t head, std::int64_t e) {
+  return page * t.stride(0) + slot * t.stride(1) + head * t.stride(2) + e * t.stride(3);
+}
+
+float& scale_at(const TensorView& scales, std::int64_t page, std::int64_t head) {
+  return static_cast<float*>(scales.data())[page * scales.stride(0) + head * scales.stride(1)];
+}
+
+// The largest value a code of `dtype` holds.
+float code_max(DType dtype) {
+  return dtype == DType::I8 ? 127.0f : kFp8E4M3Max;
+}
+
+}  // namespace
+
+float paged_value(const TensorView& pages, const std::optional<TensorView>& scales,
+                  std::int64_t page, std::int64_t slot, std::int64_t head, std::int64_t e) {
+  const float v = load_as_f32(pages.data(), pages.dtype(), page_offset(pages, page, slot, head, e));
+  return is_quantized_page_dtype(pages.dtype()) ? v * scale_at(*scales, page, head) : v;
+}
+
+void write_paged_kv(const PagedAttentionCall& call) {
+  const std::int64_t bs = call.cache.k_pages.size(1);
+  for (const auto& [src, pages, scales] :
+       {std::tuple{&call.k_new, &call.cache.k_pages, &call.cache.k_scales},
+        std::tuple{&call.v_new, &call.cache.v_pages, &call.cache.v_scales}}) {
+    const std::int64_t heads = pages->size(2), width = pages->size(3);
+    const auto value = [&](std::int64_t t, std::int64_t h, std::int64_t e) {
+      return load_as_f32(src->data(), src->dtype(),
+                         t * src->stride(0) + h * src->stride(1) + e * src->stride(2));
+    };
+    // (row of the call, page, slot) of every new token.
+    struct Target {
+      std::int64_t t, page, slot;
+    };
+    std::vector<Target> targets;
+    std::int64_t t0 = 0;
+    for (const PagedRow& r : call.rows) {
+      for (std::int64_t n = 0; n < r.query_len; ++n) {
+        const std::int64_t s = paged_slot(r.block_table, bs, r.kv_start_pos + n);
+        targets.push_back({t0 + n, s / bs, s % bs});
+      }
+      t0 += r.query_len;
+    }
+    const bool quantized = is_quantized_page_dtype(pages->dtype());
+    if (quantized) {
+      // Grow each touched (page, head) scale to cover its new values; re-encode what it held.
+      std::vector<std::pair<std::int64_t, std::int64_t>> touched;  // (page, head)
+      std::vector<float> need;
+      for (const Target& tg : targets)
+        for (std::int64_t h = 0; h < heads; ++h) {
+          float absmax = 0.0f;
+          for (std::int64_t e = 0; e < width; ++e)
+            absmax = std::max(absmax, std::fabs(value(tg.t, h, e)));
+          const auto key = std::pair{tg.page, h};
+          const auto it = std::find(touched.begin(), touched.end(), key);
+          if (it == touched.end()) {
+            touched.push_back(key);
+            need.push_back(absmax);
+          } else {
+            float& n = need[std::size_t(it - touched.begin())];
+            n = std::max(n, absmax);
+          }
+        }
+      for (std::size_t i = 0; i < touched.size(); ++i) {
+        const auto [page, h] = touched[i];
+        float& scale = scale_at(**scales, page, h);
+        const float wanted =
+            need[i] > 0.0f && std::isfinite(need[i]) ? need[i] / code_max(pages->dtype()) : 1.0f;
+        if (scale > 0.0f && wanted <= scale) continue;
+        if (scale > 0.0f)
+          for (std::int64_t slot = 0; slot < bs; ++slot)
+            for (std::int64_t e = 0; e < width; ++e) {
+              const std::int64_t at = page_offset(*pages, page, slot, h, e);
+              const float old = load_as_f32(pages->data(), pages->dtype(), at) * scale;
+              store_from_f32(pages->data(), pages->dtype(), at, old / wanted);
+            }
+        scale = wanted;
+      }
+    }
+    for (const Target& tg : targets)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const float inv = quantized ? 1.0f / scale_at(**scales, tg.page, h) : 1.0f;
+        for (std::int64_t e = 0; e < width; ++e)
+          store_from_f32(pages->data(), pages->dtype(), page_offset(*pages, tg.page, tg.slot, h, e),
+                         quantized ? value(tg.t, h, e) * inv : value(tg.t, h, e));
+      }
   }
 }
 

@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -148,6 +149,16 @@ ThreadBuffers thread_buffers(std::size_t floats, std::size_t rows) {
   return {f.data(), r.data()};
 }
 
+// The 256 values of fp8 e4m3 codes.
+const std::array<float, 256>& fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[std::size_t(c)] = fp8e4m3_to_f32(static_cast<std::uint8_t>(c));
+    return t;
+  }();
+  return table;
+}
+
 bool key_kept(const MaskView& m, i64 b, i64 j) {
   const TensorView& v = m.view;
   return static_cast<const std::uint8_t*>(v.data())[b * v.stride(0) + j * v.stride(1)] != 0;
@@ -281,34 +292,53 @@ class Worker {
                     float* dst, i64 ld, i64 ahead) const {
     for (i64 jj = 0; jj < n; ++jj) {
       if (jj < ahead) {  // the same row of the next tile, into L2 while this tile computes
-        const auto [t, at] = kv_row(value, segment, b, j0 + n + jj, hk);
+        const auto [t, at, unused] = kv_row(value, segment, b, j0 + n + jj, hk);
         const i64 es = i64(dtype_size(t->dtype()));
         const char* row = static_cast<const char*>(t->data()) + at * es;
         for (i64 off = 0; off < width * es; off += 64) __builtin_prefetch(row + off, 0, 2);
       }
-      const auto [t, at] = kv_row(value, segment, b, j0 + jj, hk);
-      load_elements(*t, at, width, 1.0f, dst + jj * ld);
+      const auto [t, at, scale] = kv_row(value, segment, b, j0 + jj, hk);
+      load_elements(*t, at, width, scale, dst + jj * ld);
       std::fill(dst + jj * ld + width, dst + (jj + 1) * ld, 0.0f);
     }
   }
 
-  // Where key row j of head hk lives: the tensor and the element offset of its first element
-  // (through the segment's block table for a paged call).
-  std::pair<const TensorView*, i64> kv_row(bool value, std::size_t segment, i64 b, i64 j,
-                                           i64 hk) const {
+  // Where key row j of head hk lives: the tensor, the element offset of its first element
+  // (through the segment's block table for a paged call) and the scale of its codes (int8 and
+  // fp8 pages; 1 otherwise).
+  struct KvRowAt {
+    const TensorView* t;
+    i64 at;
+    float scale;
+  };
+  KvRowAt kv_row(bool value, std::size_t segment, i64 b, i64 j, i64 hk) const {
     if (p_.paged) {
       const TensorView& t = value ? p_.v : p_.k;
       const i64 bs = p_.paged->block_size;
       const i64 page = (*p_.paged->tables[segment])[std::size_t(j / bs)];
-      return {&t, page * t.stride(0) + (j % bs) * t.stride(1) + hk * t.stride(2)};
+      float scale = 1.0f;
+      if (const auto& sc = value ? p_.paged->v_scales : p_.paged->k_scales; sc)
+        scale = static_cast<const float*>(sc->data())[page * sc->stride(0) + hk * sc->stride(1)];
+      return {&t, page * t.stride(0) + (j % bs) * t.stride(1) + hk * t.stride(2), scale};
     }
     const RowRef r = value ? p_.v_row(j) : p_.k_row(j);
     const TensorView& t = *r.view;
-    return {&t, b * t.stride(0) + r.row * t.stride(1) + hk * t.stride(2)};
+    return {&t, b * t.stride(0) + r.row * t.stride(1) + hk * t.stride(2), 1.0f};
   }
 
   // Reads `n` elements along the last dim starting at element offset `base`, scaled.
   void load_elements(const TensorView& t, i64 base, i64 n, float scale, float* dst) const {
+    if (t.dtype() == DType::I8 && t.stride(3) == 1) {
+      const auto* codes = static_cast<const std::int8_t*>(t.data()) + base;
+      for (i64 e = 0; e < n; ++e) dst[e] = float(codes[e]) * scale;
+      return;
+    }
+    if (t.dtype() == DType::FP8_E4M3 && t.stride(3) == 1) {
+      const auto* codes = static_cast<const std::uint8_t*>(t.data()) + base;
+      const std::array<float, 256>& table = fp8_values();
+      for (i64 e = 0; e < n; ++e) dst[e] = table[codes[e]] * scale;
+      return;
+    }
     if (t.stride(3) == 1) {
       const auto* bytes =
           static_cast<const std::byte*>(t.data()) + base * static_cast<i64>(dtype_size(t.dtype()));
@@ -501,35 +531,9 @@ class FlashImpl final : public Impl {
     const TensorView& kp = call.cache.k_pages;
     const TensorView& vp = call.cache.v_pages;
     const i64 bs = kp.size(1), hkv = kp.size(2);
-    const TileKernels& kk = kernels_for(isa_);
-    std::vector<float> row(std::size_t(std::max(kp.size(3), vp.size(3))));
+    write_paged_kv(call);
     i64 t0 = 0;
-    for (const PagedRow& r : call.rows) {
-      for (i64 n = 0; n < r.query_len; ++n) {
-        const i64 slot = paged_slot(r.block_table, bs, r.kv_start_pos + n);
-        for (i64 h = 0; h < hkv; ++h)
-          for (const auto& [src, dst] :
-               {std::pair{&call.k_new, &kp}, std::pair{&call.v_new, &vp}}) {
-            const i64 width = dst->size(3);
-            const i64 from = (t0 + n) * src->stride(0) + h * src->stride(1);
-            const i64 to =
-                (slot / bs) * dst->stride(0) + (slot % bs) * dst->stride(1) + h * dst->stride(2);
-            for (i64 e = 0; e < width; ++e)
-              row[std::size_t(e)] =
-                  load_as_f32(src->data(), src->dtype(), from + e * src->stride(2));
-            if (dst->stride(3) == 1) {
-              kk.store_row(
-                  row.data(), 1.0f, width, dst->dtype(),
-                  static_cast<std::byte*>(dst->data()) + to * i64(dtype_size(dst->dtype())));
-            } else {
-              for (i64 e = 0; e < width; ++e)
-                store_from_f32(dst->data(), dst->dtype(), to + e * dst->stride(3),
-                               row[std::size_t(e)]);
-            }
-          }
-      }
-      t0 += r.query_len;
-    }
+    for (const PagedRow& r : call.rows) t0 += r.query_len;
 
     AttentionProblem p;
     const auto as_batch = [](const TensorView& t) {  // [T, H, E] -> [1, T, H, E]
@@ -555,7 +559,7 @@ class FlashImpl final : public Impl {
     }
     p.softmax_scale = call.softmax_scale;
     p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
-    p.paged = PagedKeys{bs, {}};
+    p.paged = PagedKeys{bs, {}, call.cache.k_scales, call.cache.v_scales};
     i64 q0 = 0;
     for (const PagedRow& r : call.rows) {
       p.skv = std::max(p.skv, r.seq_len);

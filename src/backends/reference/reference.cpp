@@ -227,34 +227,10 @@ class ReferenceImpl final : public Impl {
     const TensorView& kp = call.cache.k_pages;
     const TensorView& vp = call.cache.v_pages;
     const i64 bs = kp.size(1), hkv = kp.size(2), d = kp.size(3), dv = vp.size(3);
-    const auto page_off = [](const TensorView& t, i64 slot, i64 h, i64 e) {
-      const i64 bsz = t.size(1);
-      return (slot / bsz) * t.stride(0) + (slot % bsz) * t.stride(1) + h * t.stride(2) +
-             e * t.stride(3);
-    };
-    // 1. write the rows' new K/V into their slots.
-    i64 t0 = 0;
-    for (const PagedRow& r : call.rows) {
-      for (i64 n = 0; n < r.query_len; ++n) {
-        const i64 slot = paged_slot(r.block_table, bs, r.kv_start_pos + n);
-        const i64 t = t0 + n;
-        for (i64 h = 0; h < hkv; ++h) {
-          for (i64 e = 0; e < d; ++e)
-            store_from_f32(kp.data(), kp.dtype(), page_off(kp, slot, h, e),
-                           load_as_f32(call.k_new.data(), call.k_new.dtype(),
-                                       t * call.k_new.stride(0) + h * call.k_new.stride(1) +
-                                           e * call.k_new.stride(2)));
-          for (i64 e = 0; e < dv; ++e)
-            store_from_f32(vp.data(), vp.dtype(), page_off(vp, slot, h, e),
-                           load_as_f32(call.v_new.data(), call.v_new.dtype(),
-                                       t * call.v_new.stride(0) + h * call.v_new.stride(1) +
-                                           e * call.v_new.stride(2)));
-        }
-      }
-      t0 += r.query_len;
-    }
+    // 1. write the rows' new K/V into their slots (quantizing into int8/fp8 pages).
+    write_paged_kv(call);
     // 2. each row attends keys [0, seq_len) gathered through its table.
-    t0 = 0;
+    i64 t0 = 0;
     for (const PagedRow& r : call.rows) {
       Tensor kg = Tensor::empty({1, r.seq_len, hkv, d}, DType::F32);
       Tensor vg = Tensor::empty({1, r.seq_len, hkv, dv}, DType::F32);
@@ -263,10 +239,10 @@ class ReferenceImpl final : public Impl {
         for (i64 h = 0; h < hkv; ++h) {
           for (i64 e = 0; e < d; ++e)
             kg.data_as<float>()[(pos * hkv + h) * d + e] =
-                load_as_f32(kp.data(), kp.dtype(), page_off(kp, slot, h, e));
+                paged_value(kp, call.cache.k_scales, slot / bs, slot % bs, h, e);
           for (i64 e = 0; e < dv; ++e)
             vg.data_as<float>()[(pos * hkv + h) * dv + e] =
-                load_as_f32(vp.data(), vp.dtype(), page_off(vp, slot, h, e));
+                paged_value(vp, call.cache.v_scales, slot / bs, slot % bs, h, e);
         }
       }
       AttentionProblem p;
