@@ -55,4 +55,41 @@ void quantize_dequantize_kv(const TensorView& src, KvCacheDtype dtype, const Ten
     }
 }
 
+QuantizedKv quantize_kv(const TensorView& src, KvCacheDtype dtype) {
+  if (src.ndim() != 4 || dtype == KvCacheDtype::unquantized)
+    throw InvalidArgument("kv", "quantize_kv needs a [B, S, H, D] view and int8 or fp8");
+  const std::int64_t B = src.size(0), S = src.size(1), H = src.size(2), D = src.size(3);
+  QuantizedKv q;
+  q.codes = Tensor::empty({B, S, H, D}, dtype == KvCacheDtype::int8 ? DType::I8 : DType::FP8_E4M3);
+  q.blocks = (S + kKvQuantBlockTokens - 1) / kKvQuantBlockTokens;
+  q.heads = H;
+  q.scales.assign(std::size_t(B * q.blocks * H), 1.0f);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t blk = 0; blk < q.blocks; ++blk) {
+      const std::int64_t s0 = blk * kKvQuantBlockTokens, s1 = std::min(S, s0 + kKvQuantBlockTokens);
+      for (std::int64_t h = 0; h < H; ++h) {
+        const auto at = [&](std::int64_t s, std::int64_t e) {
+          return b * src.stride(0) + s * src.stride(1) + h * src.stride(2) + e * src.stride(3);
+        };
+        float absmax = 0.0f;
+        for (std::int64_t s = s0; s < s1; ++s)
+          for (std::int64_t e = 0; e < D; ++e)
+            absmax = std::max(absmax, std::fabs(load_as_f32(src.data(), src.dtype(), at(s, e))));
+        const float scale = kv_quant_scale(absmax, dtype);
+        q.scales[std::size_t((b * q.blocks + blk) * H + h)] = scale;
+        for (std::int64_t s = s0; s < s1; ++s)
+          for (std::int64_t e = 0; e < D; ++e) {
+            const float x = load_as_f32(src.data(), src.dtype(), at(s, e)) / scale;
+            const std::int64_t to = ((b * S + s) * H + h) * D + e;
+            if (dtype == KvCacheDtype::int8)
+              q.codes.data_as<std::int8_t>()[to] =
+                  static_cast<std::int8_t>(std::clamp(std::nearbyint(x), -127.0f, 127.0f));
+            else
+              q.codes.data_as<std::uint8_t>()[to] = f32_to_fp8e4m3(x);
+          }
+      }
+    }
+  return q;
+}
+
 }  // namespace dattn::detail

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "dattn/metadata.hpp"
 #include "dattn/tensor.hpp"
@@ -21,5 +22,18 @@ float kv_quant_roundtrip(float x, float scale, KvCacheDtype dtype);
 // writes the dequantized values into `dst` (f32, same shape). This is what a kernel reading a
 // quantized cache sees.
 void quantize_dequantize_kv(const TensorView& src, KvCacheDtype dtype, const TensorView& dst);
+
+// K or V held as codes: `codes` [B, S, H, D] int8 or fp8 e4m3 (contiguous) and one scale per
+// (batch, block of kKvQuantBlockTokens tokens, head), scales[(b * blocks + s / 64) * H + h].
+// The value of a code is code x scale, the same numbers quantize_dequantize_kv writes.
+struct QuantizedKv {
+  Tensor codes;
+  std::vector<float> scales;
+  std::int64_t blocks = 0, heads = 0;
+  float scale(std::int64_t b, std::int64_t row, std::int64_t h) const {
+    return scales[std::size_t((b * blocks + row / kKvQuantBlockTokens) * heads + h)];
+  }
+};
+QuantizedKv quantize_kv(const TensorView& src, KvCacheDtype dtype);
 
 }  // namespace dattn::detail

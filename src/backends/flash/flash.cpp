@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <numbers>
 #include <sstream>
@@ -24,6 +25,7 @@
 
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_plan.hpp"
+#include "core/kv_quant.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/paged.hpp"
 
@@ -166,7 +168,11 @@ bool key_kept(const MaskView& m, i64 b, i64 j) {
 
 class Worker {
  public:
-  Worker(const AttentionProblem& p, const FlashPlan& plan) : p_(p), plan_(plan), kk_(plan.kernels) {
+  // `quantized`: K and V (and the joint ones) of `p` are int8/fp8 codes of a dense call with
+  // kv_cache_dtype fp8/int8, scaled per (batch, 64-token block, head): {k, v, joint k, joint v}.
+  Worker(const AttentionProblem& p, const FlashPlan& plan,
+         const std::array<const detail::QuantizedKv*, 4>* quantized = nullptr)
+      : p_(p), plan_(plan), kk_(plan.kernels), quantized_(quantized) {
     // laser_input_scale f: (q / f)(k / f)(scale f^2) = q k scale and (v / f) f = v, exactly
     // for powers of two; in f32 nothing overflows, so the factor cancels out here.
     qscale_ = static_cast<float>(p.softmax_scale * std::numbers::log2e);
@@ -323,7 +329,12 @@ class Worker {
     }
     const RowRef r = value ? p_.v_row(j) : p_.k_row(j);
     const TensorView& t = *r.view;
-    return {&t, b * t.stride(0) + r.row * t.stride(1) + hk * t.stride(2), 1.0f};
+    float scale = 1.0f;
+    if (quantized_) {
+      const bool joint = p_.joint && (r.view == &p_.joint->k || r.view == &p_.joint->v);
+      scale = (*quantized_)[std::size_t((joint ? 2 : 0) + (value ? 1 : 0))]->scale(b, r.row, hk);
+    }
+    return {&t, b * t.stride(0) + r.row * t.stride(1) + hk * t.stride(2), scale};
   }
 
   // Reads `n` elements along the last dim starting at element offset `base`, scaled.
@@ -441,6 +452,7 @@ class Worker {
   const AttentionProblem& p_;
   const FlashPlan& plan_;
   const TileKernels& kk_;
+  const std::array<const detail::QuantizedKv*, 4>* quantized_;
   float qscale_ = 1;
 };
 
@@ -456,6 +468,10 @@ class FlashImpl final : public Impl {
       if (std::find(have.begin(), have.end(), isa_) == have.end())
         throw NotAvailable("isa", "FLASH: ISA " + *name + " is not supported by this CPU");
     }
+  }
+
+  std::map<Platform, std::vector<KvCacheDtype>> supported_kv_cache_dtypes() const override {
+    return {{Platform::cpu, {KvCacheDtype::fp8, KvCacheDtype::int8}}};
   }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
@@ -573,9 +589,32 @@ class FlashImpl final : public Impl {
   }
 
  protected:
+  // kv_cache_dtype fp8/int8 on a dense call (SPEC §10): K and V are quantized per (batch,
+  // 64-token block, head) into codes (a quarter of f32's bytes), which the same kernels
+  // dequantize as they load them, as they do for quantized pages.
   void run_cpu(const Plan& base, const AttentionProblem& p) const override {
+    if (p.kv_cache_dtype == KvCacheDtype::unquantized) return run_with(base, p, nullptr);
+    std::array<detail::QuantizedKv, 4> q;
+    AttentionProblem qp = p;
+    q[0] = detail::quantize_kv(p.k, p.kv_cache_dtype);
+    q[1] = detail::quantize_kv(p.v, p.kv_cache_dtype);
+    qp.k = q[0].codes.view();
+    qp.v = q[1].codes.view();
+    if (p.joint) {
+      q[2] = detail::quantize_kv(p.joint->k, p.kv_cache_dtype);
+      q[3] = detail::quantize_kv(p.joint->v, p.kv_cache_dtype);
+      qp.joint->k = q[2].codes.view();
+      qp.joint->v = q[3].codes.view();
+    }
+    const std::array<const detail::QuantizedKv*, 4> scales{&q[0], &q[1], &q[2], &q[3]};
+    run_with(base, qp, &scales);
+  }
+
+ private:
+  void run_with(const Plan& base, const AttentionProblem& p,
+                const std::array<const detail::QuantizedKv*, 4>* quantized) const {
     const auto& plan = static_cast<const FlashPlan&>(base);
-    const Worker worker(p, plan);
+    const Worker worker(p, plan, quantized);
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
     const auto count = static_cast<i64>(plan.items.size());
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
@@ -593,7 +632,6 @@ class FlashImpl final : public Impl {
     }
   }
 
- private:
   Isa isa_ = Isa::portable;
 };
 
