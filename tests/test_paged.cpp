@@ -8,6 +8,7 @@
 
 #include "dattn/attention.hpp"
 #include "dattn/errors.hpp"
+#include "dattn/page_pool.hpp"
 #include "dattn/registry.hpp"
 #include "test_inputs.hpp"
 
@@ -342,6 +343,154 @@ TEST(Paged, QuantizedPagesNeedTheirScales) {
     } catch (const InvalidArgument& e) {
       EXPECT_EQ(e.field(), "cache.k_scales");
     }
+  }
+}
+
+TEST(PagePool, AllocatesFreesAndReportsCapacity) {
+  PagePoolConfig c;
+  c.num_blocks = 6, c.block_size = 4, c.kv_heads = 2, c.head_size = 8, c.layers = 3;
+  PagePool pool(c);
+  EXPECT_EQ(pool.capacity(), 6);
+  const auto a = pool.allocate(4);
+  EXPECT_EQ(a, (std::vector<std::int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(pool.free_pages(), 2);
+  EXPECT_THROW(pool.allocate(3), Unsupported);
+  EXPECT_EQ(pool.free_pages(), 2);  // nothing taken
+  const std::vector<std::int32_t> back{1, 3};
+  pool.free(back);
+  EXPECT_EQ(pool.allocate(3), (std::vector<std::int32_t>{1, 3, 4}));
+  const std::vector<std::int32_t> twice{0, 0}, stranger{5};
+  EXPECT_THROW(pool.free(twice), InvalidArgument);
+  EXPECT_THROW(pool.free(stranger), InvalidArgument);
+  EXPECT_TRUE(pool.is_allocated(0));  // nothing freed by the failed calls
+  EXPECT_EQ(pool.bytes(), std::size_t(2 * 3 * 6 * 4 * 2 * 8 * 4));
+  c.block_size = 0;
+  try {
+    PagePool bad(c);
+    ADD_FAILURE() << "block_size 0 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.field(), "block_size");
+  }
+}
+
+// Both layouts give every layer its own pages: writing layer 1 leaves layers 0 and 2 alone, and
+// paged attention through either layout equals dense attention (every paged backend).
+TEST(PagePool, LayersOfBothLayoutsAreIndependentAndAttendCorrectly) {
+  for (const CacheLayout layout : {CacheLayout::layer_outermost, CacheLayout::block_outermost}) {
+    PagePoolConfig c;
+    c.num_blocks = 8, c.block_size = 16, c.kv_heads = 2, c.head_size = 32, c.layers = 3;
+    c.layout = layout;
+    PagePool pool(c);
+    const std::int64_t hq = 4, seq = 50;
+    const auto table = pool.allocate(4);
+    const Tensor q = random_tensor({seq, hq, 32}, DType::F32, 1);
+    const Tensor k = random_tensor({seq, 2, 32}, DType::F32, 2);
+    const Tensor v = random_tensor({seq, 2, 32}, DType::F32, 3);
+    for (const std::string& backend : paged_backends()) {
+      SCOPED_TRACE(backend);
+      Tensor out = Tensor::zeros({seq, hq, 32}, DType::F32);
+      PagedAttentionCall call;
+      call.q = q.view(), call.k_new = k.view(), call.v_new = v.view(), call.out = out.view();
+      call.cache = pool.layer(1);
+      call.rows = {{seq, seq, 0, table}};
+      call.softmax_scale = 0.2;
+      Attention(testing::layer_config(backend, hq, 2, 32)).forward_paged(call);
+      for (const std::int64_t other : {0, 2}) {
+        const PagedKvCache o = pool.layer(other);
+        for (std::int64_t pg = 0; pg < 8; ++pg)
+          EXPECT_EQ(paged_value(o.k_pages, o.k_scales, pg, 3, 1, 5), 0.0f);
+      }
+      AttentionConfig dc = testing::layer_config("REFERENCE", hq, 2, 32);
+      dc.qkv_layout = QkvLayout::THD;
+      dc.softmax_scale = 0.2;
+      const auto dense = Attention(dc).forward(q.view(), k.view(), v.view());
+      EXPECT_LE(testing::compare(out.view(), dense.out.view()).normwise_rel, 1e-5);
+    }
+  }
+}
+
+// A denoising step on the cached prefix equals a full dense recompute of the target rows.
+TEST(PrefixCache, LaterStepsReuseThePrefixAndEqualDenseRecompute) {
+  PagePoolConfig c;
+  c.num_blocks = 20, c.block_size = 16, c.kv_heads = 1, c.head_size = 64;
+  PagePool pool(c);
+  const std::int64_t prefix = 77, target = 45, all = prefix + target, hq = 2;
+  PrefixCache cache(pool, prefix, target);
+  Tensor k = random_tensor({all, 1, 64}, DType::F32, 1),
+         v = random_tensor({all, 1, 64}, DType::F32, 2);
+  for (const std::string& backend : paged_backends()) {
+    SCOPED_TRACE(backend);
+    const Attention layer(testing::layer_config(backend, hq, 1, 64));
+    // Step 0: everything.
+    const Tensor q0 = random_tensor({all, hq, 64}, DType::F32, 3);
+    Tensor out0 = Tensor::zeros({all, hq, 64}, DType::F32);
+    PagedAttentionCall call;
+    call.cache = pool.layer(0);
+    call.softmax_scale = 0.125;
+    call.q = q0.view(), call.k_new = k.view(), call.v_new = v.view(), call.out = out0.view();
+    call.rows = {cache.first_step()};
+    layer.forward_paged(call);
+    // Steps 1-2: new target K/V and queries; the prefix pages are reused.
+    for (unsigned step = 1; step <= 2; ++step) {
+      Tensor kt = random_tensor({target, 1, 64}, DType::F32, 10 + step);
+      Tensor vt = random_tensor({target, 1, 64}, DType::F32, 20 + step);
+      const Tensor qt = random_tensor({target, hq, 64}, DType::F32, 30 + step);
+      Tensor out = Tensor::zeros({target, hq, 64}, DType::F32);
+      call.q = qt.view(), call.k_new = kt.view(), call.v_new = vt.view(), call.out = out.view();
+      call.rows = {cache.next_step()};
+      layer.forward_paged(call);
+      // Dense recompute on [prefix | new target].
+      Tensor fk = Tensor::copy_of(k.view()), fv = Tensor::copy_of(v.view());
+      copy_into(kt.view(), fk.view().sliced(0, prefix, target));
+      copy_into(vt.view(), fv.view().sliced(0, prefix, target));
+      AttentionConfig dc = testing::layer_config("REFERENCE", hq, 1, 64);
+      dc.qkv_layout = QkvLayout::THD;
+      dc.softmax_scale = 0.125;
+      const auto dense = Attention(dc).forward(qt.view(), fk.view(), fv.view());
+      EXPECT_LE(testing::compare(out.view(), dense.out.view()).normwise_rel, 1e-5);
+    }
+  }
+}
+
+// The chunk window: which chunks a new chunk sees and which pages are freed.
+TEST(ChunkWindow, VisibleChunksAndFreedPagesForEveryWindowAndSink) {
+  for (const auto& [window, sink] :
+       {std::pair<std::int64_t, std::int64_t>{1, 0}, {2, 1}, {4, 0}, {4, 2}, {30, 3}, {51, 1}}) {
+    SCOPED_TRACE("window " + std::to_string(window) + ", sink " + std::to_string(sink));
+    PagePoolConfig c;
+    c.num_blocks = 2 * (window + sink + 2), c.block_size = 4, c.kv_heads = 1, c.head_size = 8;
+    PagePool pool(c);
+    ChunkWindow w(pool, 8, window, sink);  // 2 pages per chunk
+    const std::int64_t total = window + sink + 12;
+    for (std::int64_t n = 0; n < total; ++n) {
+      // Before chunk n: it sees chunks [0, sink) and [n - window, n).
+      std::vector<std::int64_t> want;
+      for (std::int64_t ch = 0; ch < n; ++ch)
+        if (ch < sink || ch >= n - window) want.push_back(ch);
+      ASSERT_EQ(w.visible_chunks(), want);
+      for (int pass = 0; pass < 3; ++pass) {  // denoising passes reuse the same scratch pages
+        const PagedRow row = w.pass();
+        ASSERT_EQ(row.query_len, 8);
+        ASSERT_EQ(row.seq_len, 8 * (std::int64_t(want.size()) + 1));
+        ASSERT_EQ(row.kv_start_pos, row.seq_len - 8);
+        ASSERT_EQ(row.block_table.size(), std::size_t(2 * (want.size() + 1)));
+      }
+      w.commit();
+      // Held pages: exactly the chunks a later chunk can still see.
+      std::int64_t held = 0;
+      for (std::int64_t ch = 0; ch <= n; ++ch) {
+        const bool kept = ch < sink || ch >= n + 1 - window;
+        ASSERT_EQ(w.chunk_pages(ch).empty(), !kept) << "chunk " << ch;
+        held += kept ? 2 : 0;
+        for (const std::int32_t pg : w.chunk_pages(ch)) ASSERT_TRUE(pool.is_allocated(pg));
+      }
+      ASSERT_EQ(pool.free_pages(), pool.capacity() - held);
+    }
+    // A discarded pass returns its scratch pages.
+    const std::int64_t before = pool.free_pages();
+    (void)w.pass();
+    w.discard();
+    EXPECT_EQ(pool.free_pages(), before);
   }
 }
 
