@@ -15,7 +15,8 @@ namespace dattn {
 
 enum class CacheLayout : std::uint8_t {
   layer_outermost,  // [layers][blocks][block_size, Hkv, D]
-  block_outermost,  // [blocks][layers][block_size, Hkv, D]: one block's pages of all layers together
+  block_outermost,  // [blocks][layers][block_size, Hkv, D]: one block's pages of all layers
+                    // together
 };
 
 struct PagePoolConfig {

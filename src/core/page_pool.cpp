@@ -23,13 +23,12 @@ using i64 = std::int64_t;
 PagePool::PagePool(const PagePoolConfig& config) : config_(config) {
   PagePoolConfig& c = config_;
   if (c.value_head_size == 0) c.value_head_size = c.head_size;
-  const std::array<std::pair<const char*, i64>, 6> sizes{
-      {{"layers", c.layers},
-       {"num_blocks", c.num_blocks},
-       {"block_size", c.block_size},
-       {"kv_heads", c.kv_heads},
-       {"head_size", c.head_size},
-       {"value_head_size", c.value_head_size}}};
+  const std::array<std::pair<const char*, i64>, 6> sizes{{{"layers", c.layers},
+                                                          {"num_blocks", c.num_blocks},
+                                                          {"block_size", c.block_size},
+                                                          {"kv_heads", c.kv_heads},
+                                                          {"head_size", c.head_size},
+                                                          {"value_head_size", c.value_head_size}}};
   for (const auto& [name, value] : sizes)
     if (value <= 0 || value > (i64(1) << 24))
       invalid(name, std::to_string(value) + " is not valid; valid: 1 to 2^24");

@@ -38,6 +38,9 @@ struct MeasureOptions {
   std::string window;  // "wt,wh,ww": sliding tile selection
   std::string tile;    // "t,h,w"
   bool fallback = false;
+  std::string kv_dtype;    // "", "fp8" or "int8": quantized K/V (dense calls, or the pages)
+  std::int64_t paged = 0;  // > 0: run through forward_paged with pages of this many tokens
+  std::string page_dtype;  // dtype of the pages (default: the inputs' dtype)
 };
 void add_measure_options(CLI::App& command, MeasureOptions& options);
 

@@ -48,7 +48,7 @@ std::vector<std::int32_t> sample_rows(i64 rows, i64 count) {
 }
 
 // Recomputes `rows` with REFERENCE and compares them with `out` (every batch item and head).
-RowCheck check_against_reference(const Workload& workload, DType dtype,
+RowCheck check_against_reference(const Workload& workload, DType dtype, KvCacheDtype kv,
                                  const WorkloadInputs& inputs, const TensorView& out, i64 rows) {
   const std::vector<std::int32_t> sample = sample_rows(workload.output_rows(), rows);
   Tensor rows_tensor = Tensor::empty({i64(sample.size())}, DType::I32);
@@ -56,6 +56,7 @@ RowCheck check_against_reference(const Workload& workload, DType dtype,
 
   AttentionConfig config = workload_attention_config(workload, dtype);
   config.backend = "REFERENCE";
+  config.kv_cache_dtype = kv;  // the same quantized K/V, so that the check sees the kernel
   const Attention reference(config);
   AttentionMetadata metadata = inputs.metadata;
   metadata.extra.backend["reference_rows"] = rows_tensor.view();
@@ -190,14 +191,7 @@ void sparse_report(const Measurement& m, const AttentionConfig& config, const Wo
   dense.backend_options.clear();
   const Tensor want = Tensor::zeros(out.shape(), out.dtype());
   Attention(dense).forward_into(in.q.view(), in.k.view(), in.v.view(), in.metadata, want.view());
-  double num = 0, den = 0;
-  for (i64 n = 0; n < want.numel(); ++n) {
-    const double a = load_as_f32(out.data(), out.dtype(), n);
-    const double b = load_as_f32(want.data(), want.dtype(), n);
-    num += (a - b) * (a - b);
-    den += b * b;
-  }
-  report.dense_rel_err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  report.dense_rel_err = normwise_rel_err(out, want.view());
 }
 
 }  // namespace
@@ -245,6 +239,20 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
       ->excludes(sparsity)
       ->excludes(topk);
   command.add_option("--tile", options.tile, "VIDEO_SPARSE tile t,h,w (default 4,4,4)");
+  command
+      .add_option("--kv-dtype", options.kv_dtype,
+                  "Quantized K/V: fp8 or int8 (dense calls: kv_cache_dtype; with --paged: the "
+                  "pages); reports the cache's bytes and the error against f32 K/V")
+      ->check(CLI::IsMember({"fp8", "int8"}));
+  command
+      .add_option("--paged", options.paged,
+                  "Run the workload through forward_paged with pages of this many tokens "
+                  "(shuffled block tables)")
+      ->check(CLI::PositiveNumber);
+  command
+      .add_option("--page-dtype", options.page_dtype,
+                  "Dtype of the pages with --paged (default: the inputs'; --kv-dtype overrides)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   command.add_flag("--fallback", options.fallback,
                    "Run a call the chosen backend cannot serve on the best exact backend that can "
                    "(reported), instead of failing");
@@ -275,10 +283,34 @@ Measurement measurement_for(const Workload& workload, const MeasureOptions& opti
   if (options.topk) m.backend_options["topk"] = *options.topk;
   if (options.sparsity) m.backend_options["sparsity"] = *options.sparsity;
   if (!options.tile.empty()) m.backend_options["tile"] = options.tile;
+  if (!options.kv_dtype.empty()) m.kv_dtype = parse_kv_cache_dtype(options.kv_dtype);
+  m.page_block = options.paged;
+  if (!options.page_dtype.empty()) m.page_dtype = parse_dtype(options.page_dtype);
   return m;
 }
 
+void fill_peak(RunReport& report, int threads, DType dtype) {
+  const PeakGflops peak = measure_peak_gflops(threads);
+  const bool half_precision = dtype != DType::F32 && peak.bf16_dot.has_value();
+  report.peak_gflops = half_precision ? *peak.bf16_dot : peak.f32_fma;
+  report.peak_kind = half_precision ? "bf16_dot" : "f32_fma";
+  report.efficiency = report.peak_gflops > 0 ? report.gflops / report.peak_gflops : 0.0;
+}
+
+double normwise_rel_err(const TensorView& a, const TensorView& b) {
+  double num = 0, den = 0;
+  for (i64 n = 0; n < b.numel(); ++n) {
+    const double x = load_as_f32(a.data(), a.dtype(), n);
+    const double y = load_as_f32(b.data(), b.dtype(), n);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 RunReport measure(const Measurement& m) {
+  if (m.workload.prefix_rows > 0) return measure_prefix_reuse(m);
+  if (m.page_block > 0) return measure_paged(m);
   const Workload& workload = m.workload;
   const auto progress = [&m](const std::string& message) {
     if (m.progress) std::cerr << m.progress_prefix << message << std::endl;
@@ -290,6 +322,7 @@ RunReport measure(const Measurement& m) {
   config.backend = m.backend;
   config.backend_options = m.backend_options;
   config.allow_fallback = m.allow_fallback;
+  config.kv_cache_dtype = m.kv_dtype;
   const Attention layer(config);
 
   progress("building inputs of " + workload.name + "...");
@@ -318,11 +351,32 @@ RunReport measure(const Measurement& m) {
   } else if (m.check_rows > 0) {
     progress("checking " + std::to_string(std::min(m.check_rows, workload.output_rows())) +
              " rows against REFERENCE...");
-    report.check = check_against_reference(workload, m.dtype, inputs, out.view(), m.check_rows);
+    report.check =
+        check_against_reference(workload, m.dtype, m.kv_dtype, inputs, out.view(), m.check_rows);
   }
 
-  const PeakGflops peak = measure_peak_gflops(threads);
-  const bool half_precision = m.dtype != DType::F32 && peak.bf16_dot.has_value();
+  if (m.kv_dtype != KvCacheDtype::unquantized) {
+    report.kv_dtype = std::string(kv_cache_dtype_name(m.kv_dtype));
+    // Codes of one byte, one f32 scale per (batch, 64-token block, head), K and V.
+    const auto part = [&](i64 rows, i64 heads) {
+      return double(workload.batch) *
+             (double(rows * heads * workload.head_size) + 4.0 * double((rows + 63) / 64 * heads));
+    };
+    const i64 keys = workload.packed() ? workload.key_rows : workload.key_rows;
+    report.kv_cache_bytes =
+        2.0 * (part(keys, workload.kv_heads) + part(workload.joint_rows, workload.kv_heads));
+    report.kv_f32_bytes =
+        2.0 * 4.0 * double(workload.batch) *
+        double((keys + workload.joint_rows) * workload.kv_heads * workload.head_size);
+    if (m.check_rows > 0) {
+      progress("comparing with f32 K/V...");
+      AttentionConfig f32 = config;
+      f32.kv_cache_dtype = KvCacheDtype::unquantized;
+      const Tensor want = output_buffer(workload, m.dtype);
+      Attention(f32).forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, want.view());
+      report.kv_rel_err = normwise_rel_err(out.view(), want.view());
+    }
+  }
   report.backend = ran.name();
   report.selection = layer.selection().source;
   report.workload = workload.name;
@@ -335,9 +389,7 @@ RunReport measure(const Measurement& m) {
                   workload.kv_heads, workload.head_size,  workload.joint_rows};
   report.seconds = seconds;
   report.gflops = report.flops / seconds * 1e-9;
-  report.peak_gflops = half_precision ? *peak.bf16_dot : peak.f32_fma;
-  report.peak_kind = half_precision ? "bf16_dot" : "f32_fma";
-  report.efficiency = report.peak_gflops > 0 ? report.gflops / report.peak_gflops : 0.0;
+  fill_peak(report, threads, m.dtype);
   return report;
 }
 

@@ -25,13 +25,24 @@ struct Measurement {
   BackendOptions backend_options;  // the layer's backend options (sparse selection etc.)
   bool allow_fallback = false;
   std::string mask_png;  // with a sparse backend: write its block map of head 0 here
-  bool progress = true;  // progress lines on stderr
+  KvCacheDtype kv_dtype = KvCacheDtype::unquantized;
+  std::int64_t page_block = 0;      // > 0: through forward_paged, pages of this many tokens
+  std::optional<DType> page_dtype;  // default: the inputs' dtype (int8/fp8 with kv_dtype)
+  bool progress = true;             // progress lines on stderr
   std::string progress_prefix = "dattn: ";
 };
 
 // Builds the inputs, runs a warm-up and `reps` timed calls, checks a sample of rows against
 // REFERENCE and reports against the machine's measured peak.
 RunReport measure(const Measurement& m);
+// The paged forms (paged_measurement.cpp): the workload's rows through forward_paged with
+// shuffled block tables, and the prefix-reuse workload (cached prefix against recompute).
+RunReport measure_paged(const Measurement& m);
+RunReport measure_prefix_reuse(const Measurement& m);
+// Peak and efficiency fields of `report` for `threads` threads and dtype `dtype`.
+void fill_peak(RunReport& report, int threads, DType dtype);
+// ||a - b|| / ||b|| over all elements of two tensors of one shape.
+double normwise_rel_err(const TensorView& a, const TensorView& b);
 
 // The workload table, one line each.
 void print_workloads(std::ostream& os);

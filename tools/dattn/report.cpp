@@ -41,6 +41,16 @@ nlohmann::json to_json(const RunReport& r) {
       r.block_sparsity ? nlohmann::json(*r.block_sparsity) : nlohmann::json(nullptr);
   j["dense_rel_err"] = r.dense_rel_err ? finite_or_null(*r.dense_rel_err) : nlohmann::json(nullptr);
   j["dense_flops"] = r.dense_flops;
+  const auto opt = [](const std::optional<double>& x) {
+    return x ? finite_or_null(*x) : nlohmann::json(nullptr);
+  };
+  j["kv_dtype"] = r.kv_dtype.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.kv_dtype);
+  j["kv_cache_bytes"] = opt(r.kv_cache_bytes);
+  j["kv_f32_bytes"] = opt(r.kv_f32_bytes);
+  j["kv_rel_err"] = opt(r.kv_rel_err);
+  j["page_block"] = r.page_block;
+  j["page_dtype"] = r.page_dtype.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.page_dtype);
+  j["recompute_seconds"] = opt(r.recompute_seconds);
   j["selection_seconds"] =
       r.selection_seconds ? nlohmann::json(*r.selection_seconds) : nlohmann::json(nullptr);
   return j;
@@ -68,6 +78,25 @@ void print_text(std::ostream& os, const RunReport& r) {
   } else {
     label("accuracy") << "not checked (--check-rows 0)\n";
   }
+  if (r.page_block > 0)
+    label("paged") << "pages of " << r.page_block << " tokens, " << r.page_dtype
+                   << ", shuffled block tables\n";
+  if (!r.kv_dtype.empty()) {
+    label("kv cache") << r.kv_dtype;
+    if (r.kv_cache_bytes)
+      os << ": " << std::fixed << std::setprecision(1) << *r.kv_cache_bytes / 1048576.0
+         << " MiB (f32: " << *r.kv_f32_bytes / 1048576.0 << " MiB)";
+    if (r.kv_rel_err)
+      os << ", " << std::scientific << std::setprecision(3) << *r.kv_rel_err
+         << " normwise relative error against f32 K/V";
+    os << '\n' << std::defaultfloat;
+  }
+  if (r.recompute_seconds)
+    label("reuse") << std::fixed << std::setprecision(4) << r.seconds
+                   << " s per step with the cached prefix, " << *r.recompute_seconds
+                   << " s recomputing every row (" << std::setprecision(3)
+                   << r.seconds / *r.recompute_seconds << "x)\n"
+                   << std::defaultfloat;
   if (r.block_sparsity) {
     label("sparsity") << std::fixed << std::setprecision(2) << 100.0 * *r.block_sparsity
                       << "% of the (query, key) pairs skipped; " << std::setprecision(3)

@@ -48,6 +48,15 @@ struct RunReport {
   // Time to tile the layout and select the blocks once, outside the timed calls (an upper
   // bound of what each call spends on it: the backend caches the tiling).
   std::optional<double> selection_seconds;
+  // Quantized K/V ("fp8", "int8"; empty = none): the bytes K and V take in that form (scales
+  // included) and in f32, and the normwise error against the same call with f32 K/V.
+  std::string kv_dtype;
+  std::optional<double> kv_cache_bytes, kv_f32_bytes, kv_rel_err;
+  // Paged runs: tokens per page and the pages' dtype.
+  std::int64_t page_block = 0;
+  std::string page_dtype;
+  // prefix-reuse: the time of recomputing every row per step (seconds is one cached step).
+  std::optional<double> recompute_seconds;
 };
 
 // One flat JSON object; the error keys are null when no rows were checked.

@@ -101,6 +101,17 @@ std::vector<Workload> make_workloads() {
   video.head_size = 64;
   table.push_back(video);
 
+  Workload reuse;
+  reuse.name = "prefix-reuse";
+  reuse.description =
+      "HunyuanImage-3.0-like denoising steps: a 3072-row cached prefix (text + reference image) "
+      "+ 4096 target rows, 32 heads; paged prefix cache against recomputing every row";
+  reuse.prefix_rows = 3072;
+  reuse.query_rows = reuse.key_rows = 3072 + 4096;
+  reuse.heads = reuse.kv_heads = 32;
+  reuse.head_size = 128;
+  table.push_back(reuse);
+
   Workload packed;
   packed.name = "packed-docs";
   packed.description = "THD packed batch of 5 documents (1000, 517, 0, 2048, 777 rows), 16 heads";

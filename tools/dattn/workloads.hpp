@@ -42,6 +42,9 @@ struct Workload {
   // Packed THD batch: the document lengths (empty documents allowed). Empty = not packed;
   // when set, query_rows == key_rows == their sum and the layout is THD.
   std::vector<std::int64_t> documents;
+  // prefix-reuse: the first prefix_rows of the query_rows are a conditioning prefix cached in
+  // pages; each denoising step recomputes only the other (target) rows.
+  std::int64_t prefix_rows = 0;
 
   bool packed() const { return !documents.empty(); }
   QkvLayout layout() const { return packed() ? QkvLayout::THD : QkvLayout::BSHD; }
