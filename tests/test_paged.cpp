@@ -494,5 +494,59 @@ TEST(ChunkWindow, VisibleChunksAndFreedPagesForEveryWindowAndSink) {
   }
 }
 
+// Piecewise causal/full attention on a paged call equals the dense piecewise call on the
+// logical sequence (every paged backend).
+TEST(Paged, PiecewiseSpansMatchDensePiecewiseAttention) {
+  const i64 hq = 2, hkv = 1, d = 32, bs = 16, seq = 90, fresh = 40;
+  const std::vector<std::pair<i64, i64>> spans{{3, 20}, {55, 70}};
+  PagePoolConfig c;
+  c.num_blocks = 8, c.block_size = bs, c.kv_heads = hkv, c.head_size = d;
+  PagePool pool(c);
+  const auto table = pool.allocate(6);
+  const Tensor k = random_tensor({seq, hkv, d}, DType::F32, 1);
+  const Tensor v = random_tensor({seq, hkv, d}, DType::F32, 2);
+  const Tensor q = random_tensor({seq, hq, d}, DType::F32, 3);
+  // Dense piecewise over the whole sequence.
+  AttentionConfig dc = testing::layer_config("REFERENCE", hq, hkv, d, true);
+  dc.qkv_layout = QkvLayout::THD;
+  dc.softmax_scale = 0.25;
+  AttentionMetadata meta;
+  meta.full_attn_spans = FullAttnSpans{spans};
+  const auto dense = Attention(dc).forward(q.view(), k.view(), v.view(), meta);
+  for (const std::string& backend : paged_backends()) {
+    SCOPED_TRACE(backend);
+    // Fill the first seq - fresh rows, then the last `fresh` rows query with spans.
+    PagedAttentionCall call;
+    call.cache = pool.layer(0);
+    call.softmax_scale = 0.25;
+    call.causal = true;
+    call.full_attn_spans = spans;
+    Tensor out1 = Tensor::zeros({seq - fresh, hq, d}, DType::F32);
+    call.q = q.view().sliced(0, 0, seq - fresh), call.k_new = k.view().sliced(0, 0, seq - fresh);
+    call.v_new = v.view().sliced(0, 0, seq - fresh), call.out = out1.view();
+    call.rows = {{seq - fresh, seq - fresh, 0, table}};
+    const Attention layer(testing::layer_config(backend, hq, hkv, d, true));
+    layer.forward_paged(call);
+    Tensor out2 = Tensor::zeros({fresh, hq, d}, DType::F32);
+    call.q = q.view().sliced(0, seq - fresh, fresh),
+    call.k_new = k.view().sliced(0, seq - fresh, fresh);
+    call.v_new = v.view().sliced(0, seq - fresh, fresh), call.out = out2.view();
+    call.rows = {{fresh, seq, seq - fresh, table}};
+    layer.forward_paged(call);
+    // The second call's rows (positions 50..89, span [55, 70) included) all match; of the
+    // first call's, those in span [3, 20) and the causal ones after it.
+    EXPECT_LE(
+        testing::compare(out2.view(), dense.out.view().sliced(0, seq - fresh, fresh)).normwise_rel,
+        1e-5);
+    EXPECT_LE(testing::compare(out1.view().sliced(0, 0, 40), dense.out.view().sliced(0, 0, 40))
+                  .normwise_rel,
+              1e-5);
+  }
+  PagedAttentionCall bad;
+  bad.full_attn_spans = {{5, 3}};
+  bad.causal = true;
+  EXPECT_THROW(validate_paged_call(bad, hq, hkv, d), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace dattn

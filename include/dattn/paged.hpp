@@ -77,6 +77,11 @@ struct PagedAttentionCall {
   std::vector<PagedRow> rows;
   double softmax_scale = 1.0;
   bool causal = false;  // bottom-right inside each row
+  // Piecewise causal/full attention (SPEC §7) on a causal call: a query at a position inside
+  // span [a, e) sees every key < e that the row has (a span may reach past a row's seq_len,
+  // as when a long sequence is filled in chunks). Positions of each row's sequence; sorted,
+  // disjoint, the same for every row.
+  std::vector<std::pair<std::int64_t, std::int64_t>> full_attn_spans;
 };
 
 }  // namespace dattn

@@ -84,6 +84,15 @@ void validate_paged_call(const PagedAttentionCall& call, std::int64_t num_heads,
                          "], got " + l.describe());
   }
 
+  if (!call.full_attn_spans.empty() && !call.causal)
+    invalid("full_attn_spans", "full spans refine a causal call; set causal");
+  for (std::size_t i = 0; i < call.full_attn_spans.size(); ++i) {
+    const auto [a, e] = call.full_attn_spans[i];
+    if (a < 0 || a >= e || (i > 0 && a < call.full_attn_spans[i - 1].second))
+      invalid("full_attn_spans", "span " + std::to_string(i) + " [" + std::to_string(a) + ", " +
+                                     std::to_string(e) +
+                                     ") is negative, empty, unsorted or overlapping");
+  }
   std::unordered_set<std::int64_t> written;
   for (std::size_t i = 0; i < call.rows.size(); ++i) {
     const PagedRow& r = call.rows[i];

@@ -28,8 +28,8 @@ double seconds_of(const std::function<void()>& f, int reps) {
   for (int r = 0; r < std::max(reps, 1); ++r) {
     const auto start = std::chrono::steady_clock::now();
     f();
-    best = std::min(best,
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return best;
 }
@@ -71,8 +71,8 @@ RunReport measure_paged(const Measurement& m) {
   const Workload& w = m.workload;
   require(!w.packed() && w.joint_rows == 0 && w.mask == WorkloadMask::none &&
               w.query_rows == w.key_rows && w.prefix_rows == 0,
-          "--paged runs self-attention workloads without joint rows, masks or packing (" +
-              w.name + " has some)");
+          "--paged runs self-attention workloads without joint rows, masks or packing (" + w.name +
+              " has some)");
   if (m.threads > 0) omp_set_num_threads(m.threads);
   const int threads = omp_get_max_threads();
   const i64 bs = m.page_block, pages_per_seq = (w.key_rows + bs - 1) / bs;
@@ -103,7 +103,8 @@ RunReport measure_paged(const Measurement& m) {
   AttentionConfig config = workload_attention_config(w, m.dtype);
   config.backend = m.backend;
   const Attention layer(config);
-  if (m.progress) std::cerr << m.progress_prefix << "paged warm-up on " << layer.backend().name() << "\n";
+  if (m.progress)
+    std::cerr << m.progress_prefix << "paged warm-up on " << layer.backend().name() << "\n";
   layer.forward_paged(call);
   RunReport r = base_report(m, layer.backend().name(), threads);
   r.seconds = seconds_of([&] { layer.forward_paged(call); }, m.reps);

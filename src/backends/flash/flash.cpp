@@ -575,6 +575,10 @@ class FlashImpl final : public Impl {
     }
     p.softmax_scale = call.softmax_scale;
     p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
+    if (!call.full_attn_spans.empty()) {
+      p.position_rule = PositionRule::piecewise;
+      p.full_spans = call.full_attn_spans;
+    }
     p.paged = PagedKeys{bs, {}, call.cache.k_scales, call.cache.v_scales};
     i64 q0 = 0;
     for (const PagedRow& r : call.rows) {

@@ -265,6 +265,10 @@ class ReferenceImpl final : public Impl {
       }
       p.softmax_scale = call.softmax_scale;
       p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
+      if (!call.full_attn_spans.empty()) {
+        p.position_rule = PositionRule::piecewise;
+        p.full_spans = call.full_attn_spans;
+      }
       if (r.query_len > 0)
         p.segments.push_back({0, 0, r.query_len, 0, r.seq_len, r.seq_len - r.query_len, 0});
       RowComputer rc(p);
