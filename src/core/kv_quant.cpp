@@ -12,47 +12,22 @@ float kv_quant_scale(float absmax, KvCacheDtype dtype) {
   return dtype == KvCacheDtype::int8 ? absmax / 127.0f : absmax / kFp8E4M3Max;
 }
 
-float kv_quant_roundtrip(float x, float scale, KvCacheDtype dtype) {
-  switch (dtype) {
-    case KvCacheDtype::int8:
-      return std::clamp(std::nearbyint(x / scale), -127.0f, 127.0f) * scale;
-    case KvCacheDtype::fp8:
-      return fp8e4m3_to_f32(f32_to_fp8e4m3(x / scale)) * scale;
-    case KvCacheDtype::unquantized:
-      return x;
-  }
-  return x;
-}
-
 void quantize_dequantize_kv(const TensorView& src, KvCacheDtype dtype, const TensorView& dst) {
   if (src.ndim() != 4 || dst.ndim() != 4 || dst.dtype() != DType::F32)
     throw InvalidArgument("kv", "quantize_dequantize_kv needs [B, S, H, D] views and f32 output");
   for (int i = 0; i < 4; ++i)
     if (src.size(i) != dst.size(i))
       throw InvalidArgument("kv", "quantize_dequantize_kv: shapes differ");
+  const QuantizedKv q = quantize_kv(src, dtype);
   const std::int64_t B = src.size(0), S = src.size(1), H = src.size(2), D = src.size(3);
   auto* out = static_cast<float*>(dst.data());
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t s0 = 0; s0 < S; s0 += kKvQuantBlockTokens) {
-      const std::int64_t s1 = std::min(S, s0 + kKvQuantBlockTokens);
-      for (std::int64_t h = 0; h < H; ++h) {
-        const auto at = [&](std::int64_t s, std::int64_t e) {
-          return b * src.stride(0) + s * src.stride(1) + h * src.stride(2) + e * src.stride(3);
-        };
-        const auto dat = [&](std::int64_t s, std::int64_t e) {
-          return b * dst.stride(0) + s * dst.stride(1) + h * dst.stride(2) + e * dst.stride(3);
-        };
-        float absmax = 0.0f;
-        for (std::int64_t s = s0; s < s1; ++s)
-          for (std::int64_t e = 0; e < D; ++e)
-            absmax = std::max(absmax, std::fabs(load_as_f32(src.data(), src.dtype(), at(s, e))));
-        const float scale = kv_quant_scale(absmax, dtype);
-        for (std::int64_t s = s0; s < s1; ++s)
-          for (std::int64_t e = 0; e < D; ++e)
-            out[dat(s, e)] =
-                kv_quant_roundtrip(load_as_f32(src.data(), src.dtype(), at(s, e)), scale, dtype);
-      }
-    }
+    for (std::int64_t s = 0; s < S; ++s)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t e = 0; e < D; ++e)
+          out[b * dst.stride(0) + s * dst.stride(1) + h * dst.stride(2) + e * dst.stride(3)] =
+              load_as_f32(q.codes.data(), q.codes.dtype(), ((b * S + s) * H + h) * D + e) *
+              q.scale(b, s, h);
 }
 
 QuantizedKv quantize_kv(const TensorView& src, KvCacheDtype dtype) {

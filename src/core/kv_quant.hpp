@@ -15,8 +15,6 @@ inline constexpr std::int64_t kKvQuantBlockTokens = 64;
 // The scale that maps a block whose largest magnitude is `absmax` onto the format's range
 // (127 for int8, 448 for fp8 e4m3). A zero block gets scale 1.
 float kv_quant_scale(float absmax, KvCacheDtype dtype);
-// One value through the format: round(x / scale) stored, then multiplied back.
-float kv_quant_roundtrip(float x, float scale, KvCacheDtype dtype);
 
 // Quantizes `src` [B, S, H, D] (float dtype, any strides) per (batch, 64-token block, head) and
 // writes the dequantized values into `dst` (f32, same shape). This is what a kernel reading a

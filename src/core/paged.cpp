@@ -6,6 +6,7 @@
 #include <tuple>
 #include <unordered_set>
 
+#include "core/kv_quant.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -140,11 +141,6 @@ float& scale_at(const TensorView& scales, std::int64_t page, std::int64_t head) 
   return static_cast<float*>(scales.data())[page * scales.stride(0) + head * scales.stride(1)];
 }
 
-// The largest value a code of `dtype` holds.
-float code_max(DType dtype) {
-  return dtype == DType::I8 ? 127.0f : kFp8E4M3Max;
-}
-
 }  // namespace
 
 float paged_value(const TensorView& pages, const std::optional<TensorView>& scales,
@@ -199,8 +195,8 @@ void write_paged_kv(const PagedAttentionCall& call) {
       for (std::size_t i = 0; i < touched.size(); ++i) {
         const auto [page, h] = touched[i];
         float& scale = scale_at(**scales, page, h);
-        const float wanted =
-            need[i] > 0.0f && std::isfinite(need[i]) ? need[i] / code_max(pages->dtype()) : 1.0f;
+        const float wanted = detail::kv_quant_scale(
+            need[i], pages->dtype() == DType::I8 ? KvCacheDtype::int8 : KvCacheDtype::fp8);
         if (scale > 0.0f && wanted <= scale) continue;
         if (scale > 0.0f)
           for (std::int64_t slot = 0; slot < bs; ++slot)

@@ -24,8 +24,10 @@
 #include <vector>
 
 #include "backends/flash/kernels.hpp"
+#include "backends/flash/output_rows.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "core/kv_quant.hpp"
+#include "core/paged_problem.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/paged.hpp"
 
@@ -416,42 +418,20 @@ class Worker {
     return true;
   }
 
-  // Writes O / l (zeros when l is 0: the row saw no key) and the LSE m ln 2 + ln l.
+  // Writes O / l (zeros when l is 0: the row saw no key) and the LSE.
   void write_row(const float* o_row, float m, float l, i64 b, i64 h, i64 i) const {
-    if (!(l > 0.0f)) {
-      write_zero(b, h, i);
-      return;
-    }
-    const TensorView& o = p_.out;
-    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
-    const float inv = 1.0f / l;
-    if (o.stride(3) == 1) {
-      kk_.store_row(o_row, inv, p_.dv, o.dtype(),
-                    static_cast<std::byte*>(o.data()) + base * i64(dtype_size(o.dtype())));
-    } else {
-      for (i64 e = 0; e < p_.dv; ++e)
-        store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), o_row[e] * inv);
-    }
-    if (p_.lse)
-      lse_at(b, h, i) = static_cast<float>((double(m) + std::log2(double(l))) * std::numbers::ln2);
+    if (!(l > 0.0f))
+      out_.write_zero(b, h, i);
+    else
+      out_.write(o_row, 1.0f / l, m, l, b, h, i);
   }
 
-  void write_zero(i64 b, i64 h, i64 i) const {
-    const TensorView& o = p_.out;
-    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
-    for (i64 e = 0; e < p_.dv; ++e)
-      store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), 0.0f);
-    if (p_.lse) lse_at(b, h, i) = kNegInf;
-  }
-
-  float& lse_at(i64 b, i64 h, i64 i) const {
-    const TensorView& l = *p_.lse;
-    return static_cast<float*>(l.data())[b * l.stride(0) + h * l.stride(1) + i * l.stride(2)];
-  }
+  void write_zero(i64 b, i64 h, i64 i) const { out_.write_zero(b, h, i); }
 
   const AttentionProblem& p_;
   const FlashPlan& plan_;
   const TileKernels& kk_;
+  const OutputRows out_{p_, kk_};
   const std::array<const detail::QuantizedKv*, 4>* quantized_;
   float qscale_ = 1;
 };
@@ -567,18 +547,8 @@ class FlashImpl final : public Impl {
     p.out = as_batch(call.out);
     p.k = kp;
     p.v = vp;
-    if (call.lse) {
-      const TensorView& l = *call.lse;
-      const std::array<i64, 3> shape{1, l.size(0), l.size(1)};
-      const std::array<i64, 3> strides{0, l.stride(0), l.stride(1)};
-      p.lse = TensorView(l.data(), l.dtype(), shape, strides);
-    }
-    p.softmax_scale = call.softmax_scale;
-    p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
-    if (!call.full_attn_spans.empty()) {
-      p.position_rule = PositionRule::piecewise;
-      p.full_spans = call.full_attn_spans;
-    }
+    if (call.lse) p.lse = detail::lse_as_batch(*call.lse);
+    detail::apply_paged_rules(call, p);
     p.paged = PagedKeys{bs, {}, call.cache.k_scales, call.cache.v_scales};
     i64 q0 = 0;
     for (const PagedRow& r : call.rows) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/kv_quant.hpp"
+#include "core/paged_problem.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -257,18 +258,8 @@ class ReferenceImpl final : public Impl {
       p.k = kg.view();
       p.v = vg.view();
       p.out = rows_as_batch(call.out, t0, r.query_len);
-      if (call.lse) {
-        const TensorView l = call.lse->sliced(1, t0, r.query_len);
-        const std::array<i64, 3> shape{1, l.size(0), l.size(1)};
-        const std::array<i64, 3> strides{0, l.stride(0), l.stride(1)};
-        p.lse = TensorView(l.data(), l.dtype(), shape, strides);
-      }
-      p.softmax_scale = call.softmax_scale;
-      p.position_rule = call.causal ? PositionRule::causal : PositionRule::full;
-      if (!call.full_attn_spans.empty()) {
-        p.position_rule = PositionRule::piecewise;
-        p.full_spans = call.full_attn_spans;
-      }
+      if (call.lse) p.lse = detail::lse_as_batch(call.lse->sliced(1, t0, r.query_len));
+      detail::apply_paged_rules(call, p);
       if (r.query_len > 0)
         p.segments.push_back({0, 0, r.query_len, 0, r.seq_len, r.seq_len - r.query_len, 0});
       RowComputer rc(p);

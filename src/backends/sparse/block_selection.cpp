@@ -126,9 +126,8 @@ void push_row(BlockMap& m, const std::vector<char>& keep) {
   m.offsets.push_back(static_cast<i64>(m.indices.size()));
 }
 
-BlockMap explicit_map(const AttentionProblem& p, const CallTiling& t, const VideoSparseOptions& o) {
-  const i64 nq = static_cast<i64>(t.queries.blocks().size());
-  const i64 nk = static_cast<i64>(t.keys.blocks().size());
+// An empty map with one CSR row per (batch, query head, query block).
+BlockMap per_head_map(const AttentionProblem& p, i64 nq, i64 nk) {
   BlockMap m;
   m.batch = p.batch;
   m.heads = p.hq;
@@ -136,6 +135,13 @@ BlockMap explicit_map(const AttentionProblem& p, const CallTiling& t, const Vide
   m.key_blocks = nk;
   m.batch_stride = p.hq * nq;
   m.head_stride = nq;
+  return m;
+}
+
+BlockMap explicit_map(const AttentionProblem& p, const CallTiling& t, const VideoSparseOptions& o) {
+  const i64 nq = static_cast<i64>(t.queries.blocks().size());
+  const i64 nk = static_cast<i64>(t.keys.blocks().size());
+  BlockMap m = per_head_map(p, nq, nk);
   std::vector<char> keep(static_cast<std::size_t>(nk));
   const auto empty_row = [&](i64 b, i64 h, i64 qb) {
     invalid(o.block_map ? "block_map" : "block_indices",
@@ -202,13 +208,7 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
     if (!kblocks[std::size_t(kb)].dense) video.push_back(kb);
   const i64 k =
       std::min<i64>(o.topk_for(static_cast<i64>(video.size())), static_cast<i64>(video.size()));
-  BlockMap m;
-  m.batch = p.batch;
-  m.heads = p.hq;
-  m.query_blocks = nq;
-  m.key_blocks = nk;
-  m.batch_stride = p.hq * nq;
-  m.head_stride = nq;
+  BlockMap m = per_head_map(p, nq, nk);
   // Each row's selection is independent: score them in parallel, then build the CSR.
   const i64 rows = p.batch * p.hq * nq, group = p.group_size();
   std::vector<std::int32_t> chosen(std::size_t(rows * k));

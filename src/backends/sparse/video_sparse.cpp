@@ -26,6 +26,7 @@
 
 #include "backends/flash/isa.hpp"
 #include "backends/flash/kernels.hpp"
+#include "backends/flash/output_rows.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/video_sparse.hpp"
@@ -338,31 +339,9 @@ struct Call {
   }
 
   void write_row(const float* o_row, float inv, float m, float l, i64 b, i64 h, i64 i) const {
-    const TensorView& o = p.out;
-    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
-    if (o.stride(3) == 1) {
-      kk().store_row(o_row, inv, p.dv, o.dtype(),
-                     static_cast<std::byte*>(o.data()) + base * i64(dtype_size(o.dtype())));
-    } else {
-      for (i64 e = 0; e < p.dv; ++e)
-        store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), o_row[e] * inv);
-    }
-    if (p.lse)
-      lse_at(b, h, i) = static_cast<float>((double(m) + std::log2(double(l))) * std::numbers::ln2);
+    flash::OutputRows(p, kk()).write(o_row, inv, m, l, b, h, i);
   }
-
-  void write_zero(i64 b, i64 h, i64 i) const {
-    const TensorView& o = p.out;
-    const i64 base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
-    for (i64 e = 0; e < p.dv; ++e)
-      store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), 0.0f);
-    if (p.lse) lse_at(b, h, i) = kNegInf;
-  }
-
-  float& lse_at(i64 b, i64 h, i64 i) const {
-    const TensorView& l = *p.lse;
-    return static_cast<float*>(l.data())[b * l.stride(0) + h * l.stride(1) + i * l.stride(2)];
-  }
+  void write_zero(i64 b, i64 h, i64 i) const { flash::OutputRows(p, kk()).write_zero(b, h, i); }
 };
 
 bool mask_keeps(const AttentionProblem& p, i64 b, i64 j) {
