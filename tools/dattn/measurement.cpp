@@ -362,7 +362,7 @@ RunReport measure(const Measurement& m) {
       return double(workload.batch) *
              (double(rows * heads * workload.head_size) + 4.0 * double((rows + 63) / 64 * heads));
     };
-    const i64 keys = workload.packed() ? workload.key_rows : workload.key_rows;
+    const i64 keys = workload.key_rows;
     report.kv_cache_bytes =
         2.0 * (part(keys, workload.kv_heads) + part(workload.joint_rows, workload.kv_heads));
     report.kv_f32_bytes =
