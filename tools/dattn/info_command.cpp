@@ -49,6 +49,9 @@ json backend_json(const Backend& b) {
   j["supports_multi_doc_packed_varlen"] = b.supports_multi_doc_packed_varlen();
   j["supports_attention_mask"] = b.supports_attention_mask();
   j["indexes_kv_by_block_stride"] = b.indexes_kv_by_block_stride();
+  j["supports_causal"] = b.supports_causal();
+  j["supports_dense_attention_mask"] = b.supports_dense_attention_mask();
+  j["exact"] = b.exact();
   if (const auto platforms = b.supported_platforms()) {
     j["supported_platforms"] = json::array();
     for (Platform p : *platforms) j["supported_platforms"].push_back(platform_name(p));
@@ -129,6 +132,9 @@ void print_text(std::ostream& os, const json& info) {
       "supports_multi_doc_packed_varlen",
       "supports_attention_mask",
       "indexes_kv_by_block_stride",
+      "supports_causal",
+      "supports_dense_attention_mask",
+      "exact",
       "supported_platforms",
       "supported_head_sizes",
       "supported_dtypes",
