@@ -56,6 +56,12 @@ enum class MaskKind : std::uint8_t { none, keep_keys, keep_dense, additive };
 struct MaskView {
   MaskKind kind = MaskKind::none;
   TensorView view;
+  // Whether key j of batch item b survives a key-padding mask (always true for other kinds).
+  bool keeps_key(std::int64_t b, std::int64_t j) const {
+    return kind != MaskKind::keep_keys ||
+           static_cast<const std::uint8_t*>(view.data())[b * view.stride(0) + j * view.stride(1)] !=
+               0;
+  }
 };
 
 // A run of query rows [q_begin, q_end) of one batch item that see keys [k_begin, k_end).

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "backends/flash/kernels.hpp"
-#include "backends/flash/output_rows.hpp"
+#include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
@@ -98,74 +98,46 @@ class FlashPlan final : public Plan {
   mutable std::mutex partials_mutex;
 };
 
-// Per-thread scratch carved out of one buffer. Row strides are padded by kStridePad floats so
-// that walking a column of a tile does not land every row in the same few L1 sets (strides of
-// 512 B or 1 KiB cost the P.V and Q.K^T kernels 10-20% here).
-inline constexpr i64 kStridePad = 16;
-
+// Per-thread scratch carved out of one buffer (padded strides: see kStridePad).
 struct Scratch {
   float *qt, *st, *o, *k, *v, *m, *l, *alpha, *row;
   i64* kend;
   i64 ld_rows, ld_o, ld_k, ld_v;  // strides of qt/st, o, k, v
 
   static std::size_t floats(i64 rows_p, i64 d, i64 dvp) {
-    const i64 ld_rows = rows_p + kStridePad;
-    return std::size_t(d * ld_rows + kBlockKeys * ld_rows + rows_p * (dvp + kStridePad) +
-                       kBlockKeys * (d + kStridePad) + kBlockKeys * (dvp + kStridePad) +
-                       3 * rows_p + std::max(d, dvp));
+    ScratchLayout count;
+    (void)carve(count, nullptr, rows_p, d, dvp);
+    return count.floats();
   }
-  static Scratch carve(float* base, i64* row_ends, i64 rows_p, i64 d, i64 dvp) {
+  static Scratch carve(ScratchLayout& at, i64* row_ends, i64 rows_p, i64 d, i64 dvp) {
     Scratch s{};
     s.ld_rows = rows_p + kStridePad;
     s.ld_o = dvp + kStridePad;
     s.ld_k = d + kStridePad;
     s.ld_v = dvp + kStridePad;
-    float* p = base;
-    const auto take = [&p](i64 n) {
-      float* at = p;
-      p += n;
-      return at;
-    };
-    s.qt = take(d * s.ld_rows);
-    s.st = take(kBlockKeys * s.ld_rows);
-    s.o = take(rows_p * s.ld_o);
-    s.k = take(kBlockKeys * s.ld_k);
-    s.v = take(kBlockKeys * s.ld_v);
-    s.m = take(rows_p);
-    s.l = take(rows_p);
-    s.alpha = take(rows_p);
-    s.row = take(std::max(d, dvp));
+    s.qt = at.take(d * s.ld_rows);
+    s.st = at.take(kBlockKeys * s.ld_rows);
+    s.o = at.take(rows_p * s.ld_o);
+    s.k = at.take(kBlockKeys * s.ld_k);
+    s.v = at.take(kBlockKeys * s.ld_v);
+    s.m = at.take(rows_p);
+    s.l = at.take(rows_p);
+    s.alpha = at.take(rows_p);
+    s.row = at.take(std::max(d, dvp));
     s.kend = row_ends;
     return s;
   }
 };
 
-// One buffer per thread, grown when a plan needs more (so steady-state runs allocate nothing).
+// This thread's scratch: floats and per-row key ends.
 struct ThreadBuffers {
   float* floats;
   i64* row_ends;
 };
 ThreadBuffers thread_buffers(std::size_t floats, std::size_t rows) {
-  thread_local std::vector<float> f;
   thread_local std::vector<i64> r;
-  if (f.size() < floats) f.resize(floats);
   if (r.size() < rows) r.resize(rows);
-  return {f.data(), r.data()};
-}
-
-// The 256 values of fp8 e4m3 codes.
-const std::array<float, 256>& fp8_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[std::size_t(c)] = fp8e4m3_to_f32(static_cast<std::uint8_t>(c));
-    return t;
-  }();
-  return table;
-}
-
-bool key_kept(const MaskView& m, i64 b, i64 j) {
-  const TensorView& v = m.view;
-  return static_cast<const std::uint8_t*>(v.data())[b * v.stride(0) + j * v.stride(1)] != 0;
+  return {thread_floats(floats), r.data()};
 }
 
 class Worker {
@@ -186,7 +158,8 @@ class Worker {
     const i64 rows_p = round_up(rows, kk_.row_align);
     const i64 hk = w.h0 / p_.group_size();
     const i64 d = p_.d, dvp = plan_.dv_padded;
-    Scratch s = Scratch::carve(buffers.floats, buffers.row_ends, rows_p, d, dvp);
+    ScratchLayout layout(buffers.floats);
+    Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp);
 
     // Each row sees a prefix [k_begin, kend) of the segment's keys (positions are linear).
     i64 kmax = seg.k_begin, kmin = seg.k_end;
@@ -197,7 +170,7 @@ class Worker {
       i64 visible = span;
       if (limit != std::numeric_limits<i64>::max())
         visible = std::clamp<i64>(limit - seg.k_pos0, 0, span);
-      if (p_.zero_masked_query_rows && !key_kept(p_.mask, b, i)) visible = 0;
+      if (p_.zero_masked_query_rows && !p_.mask.keeps_key(b, i)) visible = 0;
       s.kend[r] = seg.k_begin + visible;
       kmax = std::max(kmax, s.kend[r]);
       kmin = std::min(kmin, s.kend[r]);
@@ -205,7 +178,7 @@ class Worker {
 
     // A key-padding mask usually hides a tail of keys: stop at the last kept one.
     if (p_.mask.kind == MaskKind::keep_keys)
-      while (kmax > seg.k_begin && !key_kept(p_.mask, b, kmax - 1)) --kmax;
+      while (kmax > seg.k_begin && !p_.mask.keeps_key(b, kmax - 1)) --kmax;
     const i64 k_first = std::max(seg.k_begin, w.k0);
     kmax = std::min(kmax, w.k1);
 
@@ -339,27 +312,8 @@ class Worker {
     return {&t, b * t.stride(0) + r.row * t.stride(1) + hk * t.stride(2), scale};
   }
 
-  // Reads `n` elements along the last dim starting at element offset `base`, scaled.
   void load_elements(const TensorView& t, i64 base, i64 n, float scale, float* dst) const {
-    if (t.dtype() == DType::I8 && t.stride(3) == 1) {
-      const auto* codes = static_cast<const std::int8_t*>(t.data()) + base;
-      for (i64 e = 0; e < n; ++e) dst[e] = float(codes[e]) * scale;
-      return;
-    }
-    if (t.dtype() == DType::FP8_E4M3 && t.stride(3) == 1) {
-      const auto* codes = static_cast<const std::uint8_t*>(t.data()) + base;
-      const std::array<float, 256>& table = fp8_values();
-      for (i64 e = 0; e < n; ++e) dst[e] = table[codes[e]] * scale;
-      return;
-    }
-    if (t.stride(3) == 1) {
-      const auto* bytes =
-          static_cast<const std::byte*>(t.data()) + base * static_cast<i64>(dtype_size(t.dtype()));
-      kk_.load_row(bytes, t.dtype(), n, scale, dst);
-      return;
-    }
-    for (i64 e = 0; e < n; ++e)
-      dst[e] = load_as_f32(t.data(), t.dtype(), base + e * t.stride(3)) * scale;
+    flash::load_elements(kk_, t, base, n, scale, dst);
   }
 
   // Sets the logits a row may not see to -inf (keys past its position limit, masked keys) and
@@ -370,7 +324,7 @@ class Worker {
     const MaskView& mask = p_.mask;
     if (mask.kind == MaskKind::keep_keys)
       for (i64 jj = 0; jj < n; ++jj)
-        if (!key_kept(mask, b, j0 + jj)) std::fill(s.st + jj * ld, s.st + (jj + 1) * ld, kNegInf);
+        if (!mask.keeps_key(b, j0 + jj)) std::fill(s.st + jj * ld, s.st + (jj + 1) * ld, kNegInf);
     const bool dense = mask.kind == MaskKind::keep_dense || mask.kind == MaskKind::additive;
     if (!positions_partial && !dense) return;
     const TensorView& m = mask.view;
@@ -399,7 +353,7 @@ class Worker {
     if (mask.kind == MaskKind::none) return false;
     if (mask.kind == MaskKind::keep_keys) {
       for (i64 jj = 0; jj < n; ++jj)
-        if (key_kept(mask, b, j0 + jj)) return false;
+        if (mask.keeps_key(b, j0 + jj)) return false;
       return true;
     }
     const TensorView& m = mask.view;

@@ -45,7 +45,7 @@ class RowComputer {
   // Computes query row `i` of batch item `b` for every head.
   void compute(i64 b, i64 i) {
     const Segment* seg = find_segment(b, i);
-    const bool padded = seg == nullptr || (p_.zero_masked_query_rows && !key_kept(b, i));
+    const bool padded = seg == nullptr || (p_.zero_masked_query_rows && !p_.mask.keeps_key(b, i));
     for (i64 h = 0; h < p_.hq; ++h) {
       if (padded) {
         write(b, i, h, nullptr, 0.0, kNegInf);
@@ -67,11 +67,6 @@ class RowComputer {
     return (s.batch == b && i >= s.q_begin && i < s.q_end) ? &s : nullptr;
   }
 
-  bool key_kept(i64 b, i64 j) const {
-    const TensorView& m = p_.mask.view;
-    return static_cast<const std::uint8_t*>(m.data())[b * m.stride(0) + j * m.stride(1)] != 0;
-  }
-
   // Additive bias of (b, h, i, j), or -inf when the mask hides the key.
   double mask_bias(i64 b, i64 h, i64 i, i64 j) const {
     const TensorView& m = p_.mask.view;
@@ -79,7 +74,7 @@ class RowComputer {
       case MaskKind::none:
         return 0.0;
       case MaskKind::keep_keys:
-        return key_kept(b, j) ? 0.0 : kNegInf;
+        return p_.mask.keeps_key(b, j) ? 0.0 : kNegInf;
       case MaskKind::keep_dense:
       case MaskKind::additive: {
         const i64 off = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j * m.stride(3);

@@ -257,12 +257,6 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
   return m;
 }
 
-bool key_kept(const AttentionProblem& p, i64 b, i64 j) {
-  if (p.mask.kind != MaskKind::keep_keys) return true;
-  const TensorView& v = p.mask.view;
-  return static_cast<const std::uint8_t*>(v.data())[b * v.stride(0) + j * v.stride(1)] != 0;
-}
-
 // Adds row `row` of head `head` of `t` (a RowRef) to `acc`.
 void accumulate(const RowRef& r, i64 b, i64 head, i64 width, float* acc) {
   const TensorView& t = *r.view;
@@ -385,8 +379,8 @@ PooledBlocks pool_blocks(const AttentionProblem& p, const CallTiling& t, bool wi
     for (const Segment& s : p.segments) {
       if (s.batch != b) continue;
       for (i64 i = s.q_begin; i < s.q_end; ++i)
-        q_valid[std::size_t(i)] = !p.zero_masked_query_rows || key_kept(p, b, i);
-      for (i64 j = s.k_begin; j < s.k_end; ++j) k_valid[std::size_t(j)] = key_kept(p, b, j);
+        q_valid[std::size_t(i)] = !p.zero_masked_query_rows || p.mask.keeps_key(b, i);
+      for (i64 j = s.k_begin; j < s.k_end; ++j) k_valid[std::size_t(j)] = p.mask.keeps_key(b, j);
     }
     const auto pool = [&](const std::vector<VideoBlock>& blocks, const VideoTiling& tiling,
                           const std::vector<char>& valid, i64 heads, i64 width,

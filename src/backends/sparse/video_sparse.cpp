@@ -26,7 +26,7 @@
 
 #include "backends/flash/isa.hpp"
 #include "backends/flash/kernels.hpp"
-#include "backends/flash/output_rows.hpp"
+#include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/video_sparse.hpp"
@@ -38,13 +38,14 @@ namespace {
 
 using i64 = std::int64_t;
 using flash::kBlockKeys;
+using flash::kStridePad;
+using flash::load_elements;
 using flash::round_up;
+using flash::ScratchLayout;
 using flash::TileKernels;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows of the per-thread query tile; larger query blocks run in several chunks.
 constexpr i64 kMaxRows = 128;
-// Padding of row strides (floats) against cache-set conflicts, as in FLASH.
-constexpr i64 kStridePad = 16;
 
 class SparsePlan final : public Plan {
  public:
@@ -81,30 +82,25 @@ struct Tile {
   i64 ld_rows, ld_o;
   // ld_k, ld_v: the packed rows' strides (gathered chunks keep them).
   static std::size_t floats(i64 d, i64 dvp, i64 ld_k, i64 ld_v) {
-    const i64 ld = kMaxRows + kStridePad;
-    return std::size_t(d * ld + kBlockKeys * ld + kMaxRows * (dvp + kStridePad) + 3 * kMaxRows +
-                       2 * std::max(d, dvp) + kBlockKeys * (ld_k + ld_v) + kBlockKeys);
+    ScratchLayout count;
+    (void)carve(count, d, dvp, ld_k, ld_v);
+    return count.floats();
   }
-  static Tile carve(float* p, i64 d, i64 dvp, i64 ld_k, i64 ld_v) {
+  static Tile carve(ScratchLayout& at, i64 d, i64 dvp, i64 ld_k, i64 ld_v) {
     Tile t{};
     t.ld_rows = kMaxRows + kStridePad;
     t.ld_o = dvp + kStridePad;
-    const auto take = [&p](i64 n) {
-      float* at = p;
-      p += n;
-      return at;
-    };
-    t.qt = take(d * t.ld_rows);
-    t.st = take(kBlockKeys * t.ld_rows);
-    t.o = take(kMaxRows * t.ld_o);
-    t.m = take(kMaxRows);
-    t.l = take(kMaxRows);
-    t.alpha = take(kMaxRows);
-    t.row = take(std::max(d, dvp));
-    t.coarse = take(std::max(d, dvp));
-    t.k = take(kBlockKeys * ld_k);
-    t.v = take(kBlockKeys * ld_v);
-    t.ok = reinterpret_cast<char*>(take(kBlockKeys / i64(sizeof(float)) + 1));
+    t.qt = at.take(d * t.ld_rows);
+    t.st = at.take(kBlockKeys * t.ld_rows);
+    t.o = at.take(kMaxRows * t.ld_o);
+    t.m = at.take(kMaxRows);
+    t.l = at.take(kMaxRows);
+    t.alpha = at.take(kMaxRows);
+    t.row = at.take(std::max(d, dvp));
+    t.coarse = at.take(std::max(d, dvp));
+    t.k = at.take(kBlockKeys * ld_k);
+    t.v = at.take(kBlockKeys * ld_v);
+    t.ok = reinterpret_cast<char*>(at.take(kBlockKeys / i64(sizeof(float)) + 1));
     return t;
   }
 };
@@ -135,23 +131,6 @@ class PackedBuffer {
   std::unique_ptr<float, Free> data_;
   std::size_t capacity_ = 0;
 };
-
-float* thread_scratch(std::size_t floats) {
-  thread_local std::vector<float> buffer;
-  if (buffer.size() < floats) buffer.resize(floats);
-  return buffer.data();
-}
-
-void load_elements(const TileKernels& kk, const TensorView& t, i64 base, i64 n, float scale,
-                   float* dst) {
-  if (t.stride(3) == 1) {
-    kk.load_row(static_cast<const std::byte*>(t.data()) + base * i64(dtype_size(t.dtype())),
-                t.dtype(), n, scale, dst);
-    return;
-  }
-  for (i64 e = 0; e < n; ++e)
-    dst[e] = load_as_f32(t.data(), t.dtype(), base + e * t.stride(3)) * scale;
-}
 
 // Everything one call needs, shared by the threads.
 struct Call {
@@ -197,7 +176,8 @@ struct Call {
   void process(i64 b, const Item& it, float* scratch) const {
     const i64 d = p.d, dvp = plan.dv_padded, nrows = it.count;
     const i64 rows_p = round_up(nrows, kk().row_align);
-    Tile s = Tile::carve(scratch, d, dvp, plan.ld_k, plan.ld_v);
+    ScratchLayout layout(scratch);
+    Tile s = Tile::carve(layout, d, dvp, plan.ld_k, plan.ld_v);
     const i64 h = it.head;
     const i64* positions = rows.data() + it.first;
     for (i64 r = 0; r < nrows; ++r) {
@@ -344,12 +324,6 @@ struct Call {
   void write_zero(i64 b, i64 h, i64 i) const { flash::OutputRows(p, kk()).write_zero(b, h, i); }
 };
 
-bool mask_keeps(const AttentionProblem& p, i64 b, i64 j) {
-  if (p.mask.kind != MaskKind::keep_keys) return true;
-  const TensorView& v = p.mask.view;
-  return static_cast<const std::uint8_t*>(v.data())[b * v.stride(0) + j * v.stride(1)] != 0;
-}
-
 void check_gate(const TensorView& g, const AttentionProblem& p) {
   const bool rank_ok = g.ndim() == 3 || (g.ndim() == 4 && g.size(3) == p.dv);
   if (!rank_ok || g.size(0) != p.batch || g.size(1) != p.sq || g.size(2) != p.hq ||
@@ -363,9 +337,9 @@ void check_gate(const TensorView& g, const AttentionProblem& p) {
 class VideoSparseImpl final : public Impl {
  public:
   VideoSparseImpl(const Backend& backend, const ImplConfig& config)
-      : Impl(backend, config),
-        options_(VideoSparseOptions::from(config.backend_kwargs, nullptr)),
-        isa_(flash::process_isa()) {}
+      : Impl(backend, config), isa_(flash::process_isa()) {
+    (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
+  }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
     // One key range per batch item (the claims exclude several documents; this guards it).
@@ -414,9 +388,9 @@ class VideoSparseImpl final : public Impl {
       for (const Segment& s : p.segments) {
         if (s.batch != b) continue;
         for (i64 i = s.q_begin; i < s.q_end; ++i)
-          q_ok[std::size_t(i)] = !p.zero_masked_query_rows || mask_keeps(p, b, i);
+          q_ok[std::size_t(i)] = !p.zero_masked_query_rows || p.mask.keeps_key(b, i);
         for (i64 j = s.k_begin; j < std::min(s.k_end, used_k); ++j)
-          call.key_ok[std::size_t(t.keys.position()[std::size_t(j)])] = mask_keeps(p, b, j);
+          call.key_ok[std::size_t(t.keys.position()[std::size_t(j)])] = p.mask.keeps_key(b, j);
       }
       for (i64 i = 0; i < p.sq; ++i)
         if (!q_ok[std::size_t(i)] || t.queries.position()[std::size_t(i)] >= t.queries.used_len())
@@ -438,7 +412,7 @@ class VideoSparseImpl final : public Impl {
 #pragma omp for schedule(dynamic, 4)
           for (i64 kb = 0; kb < nkb; ++kb)
             call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
-          float* scratch = thread_scratch(plan.scratch_floats);
+          float* scratch = flash::thread_floats(plan.scratch_floats);
 #pragma omp for schedule(dynamic, 1)
           for (i64 n = 0; n < count; ++n) call.process(b, items[std::size_t(n)], scratch);
         }
@@ -494,7 +468,6 @@ class VideoSparseImpl final : public Impl {
     bool operator==(const Key&) const = default;
   };
 
-  VideoSparseOptions options_;
   flash::Isa isa_;
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
