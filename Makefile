@@ -8,7 +8,8 @@ DATTN := build/release/tools/dattn/dattn
 
 # What the build needs from Debian (libgomp, OpenMP's runtime, comes with g++).
 DEBIAN_PACKAGES := cmake ninja-build g++ make pkg-config clang-format \
-  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libdlpack-dev libpng-dev
+  libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libdlpack-dev libpng-dev \
+  libopenmpi-dev openmpi-bin
 
 .PHONY: deps configure build run test asan format format-check install install-check clean
 

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "core/prepare_call.hpp"
 #include "dattn/errors.hpp"
@@ -29,22 +30,31 @@ bool verbose() {
   return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
 }
 
-// An impl with the plan of the last call it ran (every denoising step repeats the shapes).
+// An impl with the plans of its last few call shapes (every denoising step repeats them; a
+// sequence-parallel call runs a handful of shapes in turn).
 struct ImplSlot {
+  static constexpr std::size_t kPlans = 8;
   std::shared_ptr<const Backend> backend;
   std::unique_ptr<Impl> impl;
   std::mutex plan_mutex;
-  std::shared_ptr<const Plan> last_plan;
+  std::vector<std::shared_ptr<const Plan>> plans;  // most recently used last
 
   std::shared_ptr<const Plan> plan_for(const AttentionProblem& p) {
     std::lock_guard lock(plan_mutex);
-    if (!last_plan || last_plan->signature() != p.signature) {
-      last_plan = impl->plan(p);
-      if (verbose())
-        std::cerr << "dattn: " << backend->name() << " planned " << p.describe() << ": "
-                  << last_plan->to_string() << '\n';
-    }
-    return last_plan;
+    for (std::size_t i = plans.size(); i-- > 0;)
+      if (plans[i]->signature() == p.signature) {
+        std::shared_ptr<const Plan> hit = plans[i];
+        plans.erase(plans.begin() + std::ptrdiff_t(i));
+        plans.push_back(hit);
+        return hit;
+      }
+    std::shared_ptr<const Plan> plan = impl->plan(p);
+    if (verbose())
+      std::cerr << "dattn: " << backend->name() << " planned " << p.describe() << ": "
+                << plan->to_string() << '\n';
+    if (plans.size() == kPlans) plans.erase(plans.begin());
+    plans.push_back(plan);
+    return plan;
   }
 };
 
@@ -114,17 +124,19 @@ struct Attention::State {
         "no registered backend supports this call's features: " + features.to_string());
   }
 
-  // Runs one call on this process; returns the backend that ran it.
-  const Backend& run_local(const AttentionInputs& in) {
+  // Runs one call on this process with `cfg` (the layer's config, or a strategy's block of its
+  // heads); returns the backend that ran it.
+  const Backend& run_local(const AttentionInputs& in, const AttentionConfig& cfg,
+                           std::int64_t kv_heads) {
     const bool mask_free = primary->backend->supports_packed_mask_free();
     detail::PrepareOptions opts;
     opts.honour_packed_padding = mask_free;
-    detail::PreparedCall call = detail::prepare_call(config, scale, num_kv_heads, in, opts);
+    detail::PreparedCall call = detail::prepare_call(cfg, scale, kv_heads, in, opts);
     ImplSlot* slot = &slot_for(call.problem.features);
     if (slot->backend->supports_packed_mask_free() != mask_free) {
       // The fallback treats packed_padding differently (SPEC §6): resolve again for it.
       opts.honour_packed_padding = slot->backend->supports_packed_mask_free();
-      call = detail::prepare_call(config, scale, num_kv_heads, in, opts);
+      call = detail::prepare_call(cfg, scale, kv_heads, in, opts);
       slot = &slot_for(call.problem.features);
     }
     AttentionProblem& p = call.problem;
@@ -210,15 +222,27 @@ const Backend& Attention::forward_into(const TensorView& q, const TensorView& k,
                                        const std::optional<TensorView>& lse) const {
   State& s = *state_;
   const AttentionInputs inputs{q, k, v, &metadata, out, lse};
-  if (!s.config.parallel) return s.run_local(inputs);
-  // Validate before any exchange, so a bad input raises on every rank instead of hanging.
-  detail::PrepareOptions opts;
-  opts.honour_packed_padding = s.primary->backend->supports_packed_mask_free();
-  opts.materialize = false;
-  (void)detail::prepare_call(s.config, s.scale, s.num_kv_heads, inputs, opts);
+  if (!s.config.parallel) return s.run_local(inputs, s.config, s.num_kv_heads);
+  const ParallelContext context{s.config.qkv_layout, s.config.num_heads, s.num_kv_heads,
+                                s.config.causal, s.config.role == AttentionRole::cross};
   const Backend* ran = s.primary->backend.get();
-  s.config.parallel->forward(inputs,
-                             [&s, &ran](const AttentionInputs& in) { ran = &s.run_local(in); });
+  s.config.parallel->forward(inputs, context, [&s, &ran](const LocalCall& c) {
+    AttentionConfig cfg = s.config;
+    cfg.qkv_layout = c.layout;
+    cfg.num_heads = c.num_heads;
+    cfg.num_kv_heads = c.num_kv_heads;
+    if (c.validate_only) {
+      // Validate only, as the call would be prepared; nothing is built or written.
+      detail::PrepareOptions opts;
+      opts.honour_packed_padding = s.primary->backend->supports_packed_mask_free();
+      opts.materialize = false;
+      const detail::PreparedCall call =
+          detail::prepare_call(cfg, s.scale, c.num_kv_heads, c.inputs, opts);
+      (void)s.slot_for(call.problem.features);
+      return;
+    }
+    ran = &s.run_local(c.inputs, cfg, c.num_kv_heads);
+  });
   return *ran;
 }
 
