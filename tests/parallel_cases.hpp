@@ -37,7 +37,7 @@ struct ParallelCase {
   std::uint32_t seed = 7;
   // A bad input on one rank only (its parallel call; the single-process result stays good).
   int bad_rank = -1;
-  std::int64_t bad_key_head_size = 0;             // keys of another head size
+  std::int64_t bad_key_head_size = 0;               // keys of another head size
   std::optional<std::int64_t> bad_valid_kv_length;  // a valid_kv_length past the keys
 };
 
@@ -47,7 +47,8 @@ struct ParallelOutcome {
 };
 
 // This rank's rows [start, start + length) of the whole sequence.
-inline std::pair<std::int64_t, std::int64_t> case_shard(const ParallelCase& c, int ranks, int rank) {
+inline std::pair<std::int64_t, std::int64_t> case_shard(const ParallelCase& c, int ranks,
+                                                        int rank) {
   if (c.lengths.empty()) return shard_rows(c.rows, ranks, rank);
   std::int64_t start = 0;
   for (int p = 0; p < rank; ++p) start += c.lengths[std::size_t(p)];

@@ -39,8 +39,7 @@ std::vector<std::exception_ptr> on_ranks(int ranks, Fn fn,
       }
       if (--*left == 0) done->set_value();
     });
-  const bool finished =
-      done->get_future().wait_for(timeout) == std::future_status::ready;
+  const bool finished = done->get_future().wait_for(timeout) == std::future_status::ready;
   if (!finished) {
     ADD_FAILURE() << "ranks did not finish within " << timeout.count() << " s (a hang)";
     std::terminate();  // threads blocked in a collective cannot be joined
@@ -69,17 +68,18 @@ void expect_matches(int ranks, const ParallelCase& c, double tol = 1e-5) {
   });
   for (int r = 0; r < ranks; ++r) {
     ASSERT_FALSE(errors[std::size_t(r)]) << "rank " << r << ": " << what(errors[std::size_t(r)]);
-    EXPECT_LE(outcomes[std::size_t(r)].out_err, tol) << c.strategy << " P=" << ranks << " rank " << r;
-    EXPECT_LE(outcomes[std::size_t(r)].lse_err, tol * 10) << c.strategy << " P=" << ranks << " rank " << r;
+    EXPECT_LE(outcomes[std::size_t(r)].out_err, tol)
+        << c.strategy << " P=" << ranks << " rank " << r;
+    EXPECT_LE(outcomes[std::size_t(r)].lse_err, tol * 10)
+        << c.strategy << " P=" << ranks << " rank " << r;
   }
 }
 
 // Every rank raises an error of type E naming `field`.
 template <class E>
 void expect_raises_everywhere(int ranks, const ParallelCase& c, const std::string& field) {
-  auto errors = on_ranks(ranks, [&](const std::shared_ptr<Communicator>& comm) {
-    run_parallel_case(comm, c);
-  });
+  auto errors = on_ranks(
+      ranks, [&](const std::shared_ptr<Communicator>& comm) { run_parallel_case(comm, c); });
   for (int r = 0; r < ranks; ++r) {
     ASSERT_TRUE(errors[std::size_t(r)]) << "rank " << r << " did not raise";
     try {
@@ -180,7 +180,9 @@ TEST_P(EveryStrategy, BadInputOnOneRankRaisesOnAll) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, EveryStrategy, ::testing::Values(2, 3, 4),
-                         [](const auto& param_info) { return "P" + std::to_string(param_info.param); });
+                         [](const auto& param_info) {
+                           return "P" + std::to_string(param_info.param);
+                         });
 
 TEST(Parallel, MasksAndPackedUnderUlyssesAndAllGather) {
   for (int P : {2, 3})
@@ -279,7 +281,8 @@ TEST(ParallelPieces, LseMergeAgainstF64) {
       {-inf, 3.f},    {3.f, -inf},       {-inf, -inf},      {-1000.f, -1000.f}};
   const i64 n = i64(cases.size()), width = 3;
   Tensor o = Tensor::empty({1, n, 1, width}, DType::F32), l = Tensor::empty({1, 1, n}, DType::F32);
-  Tensor po = Tensor::empty({1, n, 1, width}, DType::F32), pl = Tensor::empty({1, 1, n}, DType::F32);
+  Tensor po = Tensor::empty({1, n, 1, width}, DType::F32),
+         pl = Tensor::empty({1, 1, n}, DType::F32);
   for (i64 i = 0; i < n; ++i) {
     l.data_as<float>()[i] = cases[std::size_t(i)].first;
     pl.data_as<float>()[i] = cases[std::size_t(i)].second;
@@ -301,8 +304,9 @@ TEST(ParallelPieces, LseMergeAgainstF64) {
     const double wa = std::isinf(a) ? 0 : std::exp(a - m), wb = std::isinf(b) ? 0 : std::exp(b - m);
     EXPECT_NEAR(l.data_as<float>()[i], m + std::log(wa + wb), 1e-4 * std::max(1.0, std::fabs(m)));
     for (i64 e = 0; e < width; ++e) {
-      const double want = (wa * o0.data_as<float>()[i * width + e] +
-                           wb * po.data_as<float>()[i * width + e]) / (wa + wb);
+      const double want =
+          (wa * o0.data_as<float>()[i * width + e] + wb * po.data_as<float>()[i * width + e]) /
+          (wa + wb);
       EXPECT_NEAR(o.data_as<float>()[i * width + e], want, 1e-6);
       EXPECT_TRUE(std::isfinite(o.data_as<float>()[i * width + e]));
     }
@@ -318,7 +322,9 @@ TEST(ParallelPieces, UnevenAllToAllAgainstCoordinateOracle) {
     lengths.resize(std::size_t(P));
     const std::vector<i64> off = parallel::exclusive_offsets(lengths);
     const parallel::HeadSplit hs = parallel::split_heads(H, H, P);
-    auto code = [](i64 b, i64 row, i64 h, i64 e) { return float(((b * 100 + row) * 10 + h) * 10 + e); };
+    auto code = [](i64 b, i64 row, i64 h, i64 e) {
+      return float(((b * 100 + row) * 10 + h) * 10 + e);
+    };
     auto errors = on_ranks(P, [&](const std::shared_ptr<Communicator>& comm) {
       const int r = comm->rank();
       const i64 len = lengths[std::size_t(r)], rows = off.back();
@@ -327,7 +333,8 @@ TEST(ParallelPieces, UnevenAllToAllAgainstCoordinateOracle) {
         for (i64 i = 0; i < len; ++i)
           for (i64 h = 0; h < H; ++h)
             for (i64 e = 0; e < E; ++e)
-              x.data_as<float>()[((b * len + i) * H + h) * E + e] = code(b, off[std::size_t(r)] + i, h, e);
+              x.data_as<float>()[((b * len + i) * H + h) * E + e] =
+                  code(b, off[std::size_t(r)] + i, h, e);
       const i64 h0 = hs.q_start[std::size_t(r)], hn = hs.q_count[std::size_t(r)];
       Tensor y = Tensor::zeros({B, rows, hn, E}, DType::F32);
       std::vector<TensorView> send, recv;
@@ -340,13 +347,76 @@ TEST(ParallelPieces, UnevenAllToAllAgainstCoordinateOracle) {
         for (i64 row = 0; row < rows; ++row)
           for (i64 h = 0; h < hn; ++h)
             for (i64 e = 0; e < E; ++e)
-              if (y.data_as<float>()[((b * rows + row) * hn + h) * E + e] != code(b, row, h0 + h, e))
+              if (y.data_as<float>()[((b * rows + row) * hn + h) * E + e] !=
+                  code(b, row, h0 + h, e))
                 throw std::runtime_error("rank " + std::to_string(r) + ": element (" +
                                          std::to_string(b) + ", " + std::to_string(row) + ", " +
                                          std::to_string(h) + ", " + std::to_string(e) +
                                          ") is wrong");
     });
     for (auto& e : errors) EXPECT_FALSE(e) << what(e);
+  }
+}
+
+// Counts the bytes a rank sends to other ranks (the verdicts' all_gather is not counted).
+class CountingCommunicator final : public Communicator {
+ public:
+  CountingCommunicator(std::shared_ptr<Communicator> inner, std::shared_ptr<std::atomic<i64>> sent)
+      : inner_(std::move(inner)), sent_(std::move(sent)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  void all_to_all_v(const void* send, const std::vector<std::size_t>& sc,
+                    const std::vector<std::size_t>& sd, void* recv,
+                    const std::vector<std::size_t>& rc,
+                    const std::vector<std::size_t>& rd) override {
+    for (std::size_t p = 0; p < sc.size(); ++p)
+      if (int(p) != rank()) *sent_ += i64(sc[p]);
+    inner_->all_to_all_v(send, sc, sd, recv, rc, rd);
+  }
+  void all_gather(const void* send, std::size_t bytes, void* recv) override {
+    inner_->all_gather(send, bytes, recv);
+  }
+  std::unique_ptr<PendingTransfer> start_send_recv(const void* send, std::size_t sb, int dest,
+                                                   void* recv, std::size_t rb,
+                                                   int source) override {
+    if (dest != rank()) *sent_ += i64(sb);
+    return inner_->start_send_recv(send, sb, dest, recv, rb, source);
+  }
+  std::shared_ptr<Communicator> split(int colour) override {
+    return std::make_shared<CountingCommunicator>(inner_->split(colour), sent_);
+  }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+  std::shared_ptr<std::atomic<i64>> sent_;
+};
+
+TEST(ParallelPieces, BytesSentMatchParallelBytesSent) {
+  for (int P : {2, 3, 4}) {
+    std::vector<std::string> specs = strategies_for(P);
+    for (const std::string& spec : specs)
+      for (i64 joint : {0, 5}) {
+        ParallelCase c;
+        c.strategy = spec;
+        c.heads = 28, c.kv_heads = 7, c.d = 16, c.dv = 8, c.rows = 29, c.joint = joint;
+        c.dtype = DType::BF16;
+        std::vector<i64> sent(std::size_t(P), -1);
+        auto errors = on_ranks(P, [&](const std::shared_ptr<Communicator>& comm) {
+          auto counter = std::make_shared<std::atomic<i64>>(0);
+          run_parallel_case(std::make_shared<CountingCommunicator>(comm, counter), c);
+          sent[std::size_t(comm->rank())] = counter->load();
+        });
+        ParallelTraffic t;
+        t.batch = c.batch, t.rows = c.rows, t.joint = joint, t.heads = c.heads;
+        t.kv_heads = c.kv_heads, t.head_size = c.d, t.value_head_size = c.dv;
+        t.q_bytes = t.kv_bytes = t.out_bytes = 2;
+        t.lse = true;  // the cases ask for the LSE
+        for (int r = 0; r < P; ++r) {
+          ASSERT_FALSE(errors[std::size_t(r)]) << what(errors[std::size_t(r)]);
+          EXPECT_EQ(sent[std::size_t(r)], parallel_bytes_sent(spec, t, P, r))
+              << spec << " P=" << P << " rank " << r << " J=" << joint;
+        }
+      }
   }
 }
 
@@ -369,7 +439,8 @@ TEST(ParallelPieces, CommunicatorCollectivesAndSplit) {
       if (all[std::size_t(2 * p)] != p * 10 || all[std::size_t(2 * p + 1)] != p * 10 + 1)
         throw std::runtime_error("all_gather");
     int token = r, got = -1;
-    auto t = comm->start_send_recv(&token, sizeof(int), (r + 1) % 4, &got, sizeof(int), (r + 3) % 4);
+    auto t =
+        comm->start_send_recv(&token, sizeof(int), (r + 1) % 4, &got, sizeof(int), (r + 3) % 4);
     t->wait();
     if (got != (r + 3) % 4) throw std::runtime_error("send/recv");
     auto sub = comm->split(r % 2);  // {0, 2} and {1, 3}, in the parent's order

@@ -147,3 +147,24 @@ std::shared_ptr<ParallelStrategy> make_parallel_strategy(std::string_view spec,
 std::pair<std::int64_t, std::int64_t> shard_rows(std::int64_t total, int ranks, int rank);
 
 }  // namespace dattn
+
+namespace dattn {
+
+// The shape of one sequence-parallel call, for parallel_bytes_sent.
+struct ParallelTraffic {
+  std::int64_t batch = 1;
+  std::int64_t rows = 0;   // image rows of the whole sequence (queries and keys)
+  std::int64_t joint = 0;  // joint rows (replicated)
+  std::int64_t heads = 0, kv_heads = 0, head_size = 0, value_head_size = 0;
+  std::size_t q_bytes = 4, kv_bytes = 4, out_bytes = 4;  // bytes per element
+  bool lse = false;                                      // the LSE output is wanted
+};
+
+// Bytes that rank `rank` of `ranks` sends to other ranks in one call of strategy `spec` (as
+// make_parallel_strategy takes it), with the rows split by shard_rows and no attention mask;
+// the small header exchanges before each step are not counted. The strategies move exactly
+// this (tests count it through a communicator).
+std::int64_t parallel_bytes_sent(std::string_view spec, const ParallelTraffic& call, int ranks,
+                                 int rank);
+
+}  // namespace dattn

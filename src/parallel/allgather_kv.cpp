@@ -29,8 +29,8 @@ namespace {
 
 std::vector<i64> read_cu(const TensorView& t, const char* field) {
   if (t.dtype() != DType::I32 || t.ndim() != 1 || t.size(0) < 2)
-    throw InvalidArgument(field, std::string(field) + ": expected int32 [docs + 1], got " +
-                                     t.describe());
+    throw InvalidArgument(field,
+                          std::string(field) + ": expected int32 [docs + 1], got " + t.describe());
   std::vector<i64> v(std::size_t(t.size(0)));
   const auto* p = static_cast<const std::int32_t*>(t.data());
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = p[std::int64_t(i) * t.stride(0)];
@@ -70,19 +70,20 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
     if (meta.attn_mask && meta.attn_mask->ndim() == 2) {
       const TensorView& m = *meta.attn_mask;
       if (m.dtype() != DType::Bool || m.size(0) != s.batch || m.size(1) != s.skv)
-        throw InvalidArgument("attn_mask", "attn_mask: a 2-D mask under allgather is this rank's "
-                                           "bool key mask [" + std::to_string(s.batch) + ", " +
-                                               std::to_string(s.skv) + "], got " + m.describe());
+        throw InvalidArgument("attn_mask",
+                              "attn_mask: a 2-D mask under allgather is this rank's "
+                              "bool key mask [" +
+                                  std::to_string(s.batch) + ", " + std::to_string(s.skv) +
+                                  "], got " + m.describe());
       key_mask = true;
     }
     if (meta.joint_attn_mask) {
       const TensorView& jm = *meta.joint_attn_mask;
       if (jm.dtype() != DType::Bool || jm.ndim() != 2 || jm.size(0) != s.batch ||
           jm.size(1) != s.joint)
-        throw InvalidArgument("joint_attn_mask", "joint_attn_mask: expected bool [" +
-                                                     std::to_string(s.batch) + ", " +
-                                                     std::to_string(s.joint) + "], got " +
-                                                     jm.describe());
+        throw InvalidArgument("joint_attn_mask",
+                              "joint_attn_mask: expected bool [" + std::to_string(s.batch) + ", " +
+                                  std::to_string(s.joint) + "], got " + jm.describe());
       if (meta.attn_mask && meta.attn_mask->ndim() != 2)
         throw InvalidArgument("joint_attn_mask",
                               "joint_attn_mask: combines only with a 2-D attn_mask");
@@ -106,7 +107,8 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
   const parallel::ShardLengths lengths = parallel::check_headers(all, P);
   const std::vector<i64>& lq = lengths.q;
   const std::vector<i64>& lkv = lengths.kv;
-  const std::vector<i64> offq = parallel::exclusive_offsets(lq), offkv = parallel::exclusive_offsets(lkv);
+  const std::vector<i64> offq = parallel::exclusive_offsets(lq),
+                         offkv = parallel::exclusive_offsets(lkv);
   const i64 sq_all = offq.back(), skv_all = offkv.back(), J = s.joint;
   const i64 off = offq[std::size_t(r)];
   const i64 kv_rows = J + skv_all;
@@ -119,8 +121,8 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
   const i64 q_rows_all = J + sq_all;
   const i64 q_local0 = (s.front ? J : 0) + off, q_joint0 = s.front ? 0 : sq_all;
   const bool self_rows = !ctx.cross_role && sq_all == skv_all;
-  const bool mask_skipped = meta.extra.attention_mask_mode &&
-                            *meta.extra.attention_mask_mode == AttentionMaskMode::none;
+  const bool mask_skipped =
+      meta.extra.attention_mask_mode && *meta.extra.attention_mask_mode == AttentionMaskMode::none;
   Tensor cu_local;
 
   // One call: query rows `q` (rows from row0 of the whole query sequence, heads h0..h0+hn)
@@ -137,11 +139,10 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
     if (meta.attn_mask && meta.attn_mask->ndim() >= 3) {  // whole-sequence mask: rows and heads
       const TensorView& am = *meta.attn_mask;
       if (am.size(am.ndim() - 2) != q_rows_all)
-        throw InvalidArgument("attn_mask", "attn_mask: under allgather a " +
-                                               std::to_string(am.ndim()) +
-                                               "-D mask covers all ranks' query rows (" +
-                                               std::to_string(q_rows_all) + "), got " +
-                                               am.describe());
+        throw InvalidArgument(
+            "attn_mask", "attn_mask: under allgather a " + std::to_string(am.ndim()) +
+                             "-D mask covers all ranks' query rows (" + std::to_string(q_rows_all) +
+                             "), got " + am.describe());
       TensorView rows = am.sliced(am.ndim() - 2, row0, q.size(1));
       if (am.ndim() == 4 && am.size(1) == s.hq && s.hq != 1) rows = rows.sliced(1, h0, hn);
       m.attn_mask = rows;
@@ -149,10 +150,10 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
     if (meta.extra.cu_seqlens_q) {
       const std::vector<i64> cq = read_cu(*meta.extra.cu_seqlens_q, "cu_seqlens_q");
       if (cq.back() != sq_all)
-        throw InvalidArgument("cu_seqlens_q", "cu_seqlens_q: under allgather it describes all "
-                                              "ranks' rows; last entry " +
-                                                  std::to_string(cq.back()) + " != " +
-                                                  std::to_string(sq_all));
+        throw InvalidArgument("cu_seqlens_q",
+                              "cu_seqlens_q: under allgather it describes all "
+                              "ranks' rows; last entry " +
+                                  std::to_string(cq.back()) + " != " + std::to_string(sq_all));
       cu_local = Tensor::empty({i64(cq.size())}, DType::I32);
       auto* c = cu_local.data_as<std::int32_t>();
       i64 longest = 0;
@@ -168,8 +169,10 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
       if (meta.query_ranges) {
         global = *meta.query_ranges;
         if (global.empty() || global.back().local_end != sq_all)
-          throw InvalidArgument("query_ranges", "query_ranges: under allgather they describe all "
-                                                "ranks' rows [0, " + std::to_string(sq_all) + ")");
+          throw InvalidArgument("query_ranges",
+                                "query_ranges: under allgather they describe all "
+                                "ranks' rows [0, " +
+                                    std::to_string(sq_all) + ")");
       } else {
         global.push_back({0, q_rows_all, meta.q_global_start.value_or(kv_rows - q_rows_all)});
       }
@@ -196,11 +199,14 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
                   const std::optional<TensorView>& keys, const TensorView& lo, const TensorView& ll,
                   const TensorView& jo, const TensorView& jl, bool validate) {
     run(s.q, q_local0, 0, s.hq, 0, s.hkv, kall, vall, keys, lo, ll, validate);
-    if (J > 0) run(s.jq->sliced(2, jq0, jqn), q_joint0, jq0, jqn, jk0, jkn, kall, vall, keys, jo, jl, validate);
+    if (J > 0)
+      run(s.jq->sliced(2, jq0, jqn), q_joint0, jq0, jqn, jk0, jkn, kall, vall, keys, jo, jl,
+          validate);
   };
 
   // ---- 2. the calls this rank will make, checked on placeholders before anything moves ----
-  const std::array<i64, 4> kshape{s.batch, kv_rows, s.hkv, s.d}, vshape{s.batch, kv_rows, s.hkv, s.dv};
+  const std::array<i64, 4> kshape{s.batch, kv_rows, s.hkv, s.d},
+      vshape{s.batch, kv_rows, s.hkv, s.dv};
   const std::array<i64, 2> mshape{s.batch, kv_rows};
   const std::array<i64, 4> loshape{s.batch, s.sq, s.hq, s.dv}, joshape{s.batch, J, jqn, s.dv};
   const std::array<i64, 3> llshape{s.batch, s.hq, s.sq}, jlshape{s.batch, jqn, J};
@@ -209,7 +215,8 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
     if (merged_mask) keys = TensorView(nullptr, DType::Bool, mshape);
     both(TensorView(nullptr, s.k.dtype(), kshape), TensorView(nullptr, s.v.dtype(), vshape), keys,
          TensorView(nullptr, s.out.dtype(), loshape), TensorView(nullptr, DType::F32, llshape),
-         TensorView(nullptr, s.out.dtype(), joshape), TensorView(nullptr, DType::F32, jlshape), true);
+         TensorView(nullptr, s.out.dtype(), joshape), TensorView(nullptr, DType::F32, jlshape),
+         true);
   } catch (...) {
     error = std::current_exception();
   }

@@ -33,7 +33,10 @@ namespace {
 // State shared by the ranks of one in-process group.
 struct Group {
   explicit Group(int n)
-      : size(n), barrier(n), posted(static_cast<std::size_t>(n)), split_colour(std::size_t(n)),
+      : size(n),
+        barrier(n),
+        posted(static_cast<std::size_t>(n)),
+        split_colour(std::size_t(n)),
         split_group(std::size_t(n)) {}
 
   struct Posted {
@@ -125,7 +128,8 @@ class InProcessCommunicator final : public Communicator {
     const bool bad = g_->mismatch.load();
     g_->barrier.arrive_and_wait();
     if (rank_ == 0) g_->mismatch = false;
-    if (bad) throw std::logic_error("all_to_all_v: a rank's receive count differs from its sender's");
+    if (bad)
+      throw std::logic_error("all_to_all_v: a rank's receive count differs from its sender's");
   }
 
   std::unique_ptr<PendingTransfer> start_send_recv(const void* send, std::size_t send_bytes,

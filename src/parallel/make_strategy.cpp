@@ -12,8 +12,8 @@ namespace {
 constexpr const char* kValid = "none, ulysses, ulysses-strict, ring, allgather, hybrid:UxR";
 
 [[noreturn]] void bad_spec(std::string_view spec, const std::string& why) {
-  throw InvalidArgument("parallel", "parallel: '" + std::string(spec) + "' " + why +
-                                        "; valid: " + kValid);
+  throw InvalidArgument("parallel",
+                        "parallel: '" + std::string(spec) + "' " + why + "; valid: " + kValid);
 }
 
 }  // namespace
@@ -31,12 +31,12 @@ std::shared_ptr<ParallelStrategy> make_hybrid_parallel(const std::shared_ptr<Com
   std::shared_ptr<Communicator> ulysses_comm = comm->split(r / ulysses);
   std::shared_ptr<Communicator> ring_comm = comm->split(r % ulysses);
   auto ring_strategy = std::make_shared<RingParallel>(std::move(ring_comm));
-  return std::make_shared<UlyssesParallel>(std::move(ulysses_comm), false,
-                                           std::move(ring_strategy), comm);
+  return std::make_shared<UlyssesParallel>(std::move(ulysses_comm), false, std::move(ring_strategy),
+                                           comm);
 }
 
-std::shared_ptr<ParallelStrategy> make_parallel_strategy(std::string_view spec,
-                                                         const std::shared_ptr<Communicator>& comm) {
+std::shared_ptr<ParallelStrategy> make_parallel_strategy(
+    std::string_view spec, const std::shared_ptr<Communicator>& comm) {
   std::string s(spec);
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (s == "none" || s.empty()) return std::make_shared<NoParallel>();
@@ -61,8 +61,8 @@ std::shared_ptr<ParallelStrategy> make_parallel_strategy(std::string_view spec,
 
 std::pair<std::int64_t, std::int64_t> shard_rows(std::int64_t total, int ranks, int rank) {
   if (ranks <= 0 || rank < 0 || rank >= ranks || total < 0)
-    throw InvalidArgument("rank", "rank: " + std::to_string(rank) + " of " +
-                                      std::to_string(ranks) + " ranks is not valid");
+    throw InvalidArgument("rank", "rank: " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                                      " ranks is not valid");
   const std::int64_t base = total / ranks, extra = total % ranks;
   const std::int64_t start = rank * base + std::min<std::int64_t>(rank, extra);
   return {start, base + (rank < extra ? 1 : 0)};

@@ -77,8 +77,8 @@ class MpiCommunicator final : public Communicator {
                            sd = as_ints(send_displs, "all_to_all_v"),
                            rc = as_ints(recv_counts, "all_to_all_v"),
                            rd = as_ints(recv_displs, "all_to_all_v");
-    check(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(),
-                        MPI_BYTE, comm_),
+    check(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE,
+                        comm_),
           "MPI_Alltoallv");
   }
 
@@ -95,9 +95,9 @@ class MpiCommunicator final : public Communicator {
     check(MPI_Irecv(recv, as_int(recv_bytes, "recv"), MPI_BYTE, source, kTag, comm_,
                     &t->requests_[0]),
           "MPI_Irecv");
-    check(MPI_Isend(send, as_int(send_bytes, "send"), MPI_BYTE, dest, kTag, comm_,
-                    &t->requests_[1]),
-          "MPI_Isend");
+    check(
+        MPI_Isend(send, as_int(send_bytes, "send"), MPI_BYTE, dest, kTag, comm_, &t->requests_[1]),
+        "MPI_Isend");
     return t;
   }
 

@@ -79,7 +79,8 @@ void RingParallel::forward(const AttentionInputs& inputs, const ParallelContext&
   const parallel::ShardLengths lengths = parallel::check_headers(all, P);
   const std::vector<i64>& lq = lengths.q;
   const std::vector<i64>& lkv = lengths.kv;
-  const std::vector<i64> offq = parallel::exclusive_offsets(lq), offkv = parallel::exclusive_offsets(lkv);
+  const std::vector<i64> offq = parallel::exclusive_offsets(lq),
+                         offkv = parallel::exclusive_offsets(lkv);
   const i64 sq_all = offq.back(), skv_all = offkv.back(), J = s.joint;
   const auto vl = meta.extra.valid_kv_length;
   if (vl && (*vl <= 0 || *vl > skv_all))
@@ -139,9 +140,9 @@ void RingParallel::forward(const AttentionInputs& inputs, const ParallelContext&
   };
   std::size_t most = 1;
   for (int p = 0; p < P; ++p) most = std::max(most, block_bytes(p));
-  std::array<std::unique_ptr<std::byte[]>, 2> buf{std::unique_ptr<std::byte[]>(new std::byte[most]),
-                                                  std::unique_ptr<std::byte[]>(
-                                                      P > 1 ? new std::byte[most] : nullptr)};
+  std::array<std::unique_ptr<std::byte[]>, 2> buf{
+      std::unique_ptr<std::byte[]>(new std::byte[most]),
+      std::unique_ptr<std::byte[]>(P > 1 ? new std::byte[most] : nullptr)};
   auto block_views = [&](std::byte* data, int src) {
     const i64 len = lkv[std::size_t(src)];
     const std::array<i64, 4> ks{s.batch, len, s.hkv, s.d}, vs{s.batch, len, s.hkv, s.dv};

@@ -33,8 +33,8 @@ TensorView checked(const TensorView& t, QkvLayout layout, const char* field) {
 
 void require_float(const TensorView& t, const char* field) {
   if (!is_float_input_dtype(t.dtype()))
-    invalid(field, "dtype " + std::string(dtype_name(t.dtype())) +
-                       " is not valid; valid: f32, bf16, f16");
+    invalid(field,
+            "dtype " + std::string(dtype_name(t.dtype())) + " is not valid; valid: f32, bf16, f16");
 }
 
 }  // namespace
@@ -54,8 +54,9 @@ Shard read_shard(const AttentionInputs& in, const ParallelContext& ctx) {
   s.batch = s.q.size(0), s.sq = s.q.size(1), s.hq = s.q.size(2), s.d = s.q.size(3);
   s.skv = s.k.size(1), s.hkv = s.k.size(2), s.dv = s.v.size(3);
   if (s.hq != ctx.num_heads)
-    invalid("query", "has " + std::to_string(s.hq) + " heads; the layer was built with num_heads = " +
-                         std::to_string(ctx.num_heads));
+    invalid("query",
+            "has " + std::to_string(s.hq) +
+                " heads; the layer was built with num_heads = " + std::to_string(ctx.num_heads));
   if (s.hkv != ctx.num_kv_heads)
     invalid("key", "has " + std::to_string(s.hkv) +
                        " heads; the layer was built with num_kv_heads = " +
@@ -69,7 +70,9 @@ Shard read_shard(const AttentionInputs& in, const ParallelContext& ctx) {
   const int joint_count = int(meta.joint_query.has_value()) + int(meta.joint_key.has_value()) +
                           int(meta.joint_value.has_value());
   if (joint_count != 0 && joint_count != 3)
-    invalid(!meta.joint_query ? "joint_query" : !meta.joint_key ? "joint_key" : "joint_value",
+    invalid(!meta.joint_query ? "joint_query"
+            : !meta.joint_key ? "joint_key"
+                              : "joint_value",
             "joint_query, joint_key and joint_value come all three or none; this one is missing");
   s.front = meta.joint_strategy == JointStrategy::front;
   if (joint_count == 3) {
@@ -81,7 +84,8 @@ Shard read_shard(const AttentionInputs& in, const ParallelContext& ctx) {
     require_float(*s.jv, "joint_value");
     s.joint = s.jq->size(1);
     const std::array<std::pair<const TensorView*, std::array<i64, 3>>, 3> want{
-        {{&*s.jq, {s.batch, s.hq, s.d}}, {&*s.jk, {s.batch, s.hkv, s.d}},
+        {{&*s.jq, {s.batch, s.hq, s.d}},
+         {&*s.jk, {s.batch, s.hkv, s.d}},
          {&*s.jv, {s.batch, s.hkv, s.dv}}}};
     const std::array<const char*, 3> names{"joint_query", "joint_key", "joint_value"};
     for (std::size_t i = 0; i < 3; ++i) {
@@ -182,14 +186,27 @@ std::vector<i64> shard_header(const Shard& s, bool key_mask, const AttentionMeta
 
 ShardLengths check_headers(const std::vector<i64>& all, int ranks) {
   static const std::array<const char*, kHeaderSize> field{
-      "query", "key", "joint_query", "attn_mask", "query", "query", "key",
-      "query", "value", "query", "key", "value", "out", "lse", "valid_kv_length",
-      "joint_strategy", "metadata"};
+      "query", "key",   "joint_query",     "attn_mask",      "query",   "query",
+      "key",   "query", "value",           "query",          "key",     "value",
+      "out",   "lse",   "valid_kv_length", "joint_strategy", "metadata"};
   static const std::array<const char*, kHeaderSize> what{
-      "", "", "joint rows (replicated on every rank)", "a 2-D key mask (on every rank or none)",
-      "batch", "query heads", "key/value heads", "head size", "value head size",
-      "query dtype", "key dtype", "value dtype", "output dtype", "LSE output (wanted on every rank or none)", "valid_kv_length",
-      "joint_strategy", "the metadata of the whole sequence (cu_seqlens, spans, positions, "
+      "",
+      "",
+      "joint rows (replicated on every rank)",
+      "a 2-D key mask (on every rank or none)",
+      "batch",
+      "query heads",
+      "key/value heads",
+      "head size",
+      "value head size",
+      "query dtype",
+      "key dtype",
+      "value dtype",
+      "output dtype",
+      "LSE output (wanted on every rank or none)",
+      "valid_kv_length",
+      "joint_strategy",
+      "the metadata of the whole sequence (cu_seqlens, spans, positions, "
       "mask mode and shape, kv_cache_dtype, laser_input_scale)"};
   ShardLengths l;
   for (int p = 0; p < ranks; ++p) {
@@ -215,8 +232,8 @@ AttentionMetadata without_joint(const AttentionMetadata& meta) {
 }
 
 void unsupported(const std::string& strategy, const std::string& field, const std::string& what) {
-  throw Unsupported(field, field + ": " + what + " is not supported by " + strategy +
-                               " sequence parallelism");
+  throw Unsupported(
+      field, field + ": " + what + " is not supported by " + strategy + " sequence parallelism");
 }
 
 }  // namespace dattn::parallel

@@ -10,8 +10,8 @@ namespace dattn::parallel {
 
 struct Shard {
   TensorView q, k, v, out;
-  std::optional<TensorView> lse;                // [B, Hq, J + Sq]
-  std::optional<TensorView> jq, jk, jv;         // joint rows, [B, J, H, E]
+  std::optional<TensorView> lse;         // [B, Hq, J + Sq]
+  std::optional<TensorView> jq, jk, jv;  // joint rows, [B, J, H, E]
   i64 batch = 0, sq = 0, skv = 0, hq = 0, hkv = 0, d = 0, dv = 0, joint = 0;
   bool front = true;
   // Rows of `out` (and LSE) holding the joint rows and the local rows.

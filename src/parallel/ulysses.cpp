@@ -17,13 +17,16 @@ using parallel::i64;
 UlyssesParallel::UlyssesParallel(std::shared_ptr<Communicator> comm, bool strict,
                                  std::shared_ptr<const ParallelStrategy> inner,
                                  std::shared_ptr<Communicator> verdict)
-    : comm_(std::move(comm)), strict_(strict), inner_(std::move(inner)),
+    : comm_(std::move(comm)),
+      strict_(strict),
+      inner_(std::move(inner)),
       verdict_(verdict ? std::move(verdict) : comm_) {
   if (!comm_) throw InvalidArgument("communicator", "communicator: must not be null");
 }
 
 std::string UlyssesParallel::name() const {
-  if (inner_) return "hybrid:" + std::to_string(comm_->size()) + "x" + std::to_string(inner_->ranks());
+  if (inner_)
+    return "hybrid:" + std::to_string(comm_->size()) + "x" + std::to_string(inner_->ranks());
   return strict_ ? "ulysses-strict" : "ulysses";
 }
 
@@ -87,7 +90,8 @@ void UlyssesParallel::forward(const AttentionInputs& inputs, const ParallelConte
   if (verdict_ != comm_ || error) parallel::agree(*verdict_, error);
   const std::vector<i64>& lq = lengths.q;
   const std::vector<i64>& lkv = lengths.kv;
-  const std::vector<i64> offq = parallel::exclusive_offsets(lq), offkv = parallel::exclusive_offsets(lkv);
+  const std::vector<i64> offq = parallel::exclusive_offsets(lq),
+                         offkv = parallel::exclusive_offsets(lkv);
   const i64 sq_all = offq.back(), skv_all = offkv.back();
   const parallel::HeadSplit hs = parallel::split_heads(s.hq, s.hkv, P);
   const i64 qh0 = hs.q_start[std::size_t(r)], qhn = hs.q_count[std::size_t(r)];
@@ -102,20 +106,18 @@ void UlyssesParallel::forward(const AttentionInputs& inputs, const ParallelConte
   const std::array<i64, 3> l_all{s.batch, s.hq, rows};
   const std::array<i64, 2> m_all{s.batch, skv_all};
   if (!inner_) try {
-    AttentionMetadata m = meta;
-    if (key_mask) m.attn_mask = TensorView(nullptr, DType::Bool, m_all);
-    if (s.joint > 0) m.joint_query = *s.jq, m.joint_key = *s.jk, m.joint_value = *s.jv;
-    AttentionInputs in{TensorView(nullptr, s.q.dtype(), q_all),
-                       TensorView(nullptr, s.k.dtype(), k_all),
-                       TensorView(nullptr, s.v.dtype(), v_all),
-                       &m,
-                       TensorView(nullptr, s.out.dtype(), o_all),
-                       std::nullopt};
-    if (s.lse) in.lse = TensorView(nullptr, DType::F32, l_all);
-    local({in, QkvLayout::BSHD, s.hq, s.hkv, true});
-  } catch (...) {
-    error = std::current_exception();
-  }
+      AttentionMetadata m = meta;
+      if (key_mask) m.attn_mask = TensorView(nullptr, DType::Bool, m_all);
+      if (s.joint > 0) m.joint_query = *s.jq, m.joint_key = *s.jk, m.joint_value = *s.jv;
+      AttentionInputs in{
+          TensorView(nullptr, s.q.dtype(), q_all),   TensorView(nullptr, s.k.dtype(), k_all),
+          TensorView(nullptr, s.v.dtype(), v_all),   &m,
+          TensorView(nullptr, s.out.dtype(), o_all), std::nullopt};
+      if (s.lse) in.lse = TensorView(nullptr, DType::F32, l_all);
+      local({in, QkvLayout::BSHD, s.hq, s.hkv, true});
+    } catch (...) {
+      error = std::current_exception();
+    }
   parallel::agree(*verdict_, error);
 
   // ---- 3. rows -> heads: Q, K, V (and the key mask) of every rank for this rank's heads ----
@@ -183,12 +185,15 @@ void UlyssesParallel::forward(const AttentionInputs& inputs, const ParallelConte
     send.push_back(og.view().sliced(1, g_local0 + offq[u], lq[u]));
     recv.push_back(s.out.sliced(1, s.out_local0(), s.sq).sliced(2, hs.q_start[u], hs.q_count[u]));
     send.push_back(og.view().sliced(1, g_joint0, s.joint));
-    recv.push_back(s.out.sliced(1, s.out_joint0(), s.joint).sliced(2, hs.q_start[u], hs.q_count[u]));
+    recv.push_back(
+        s.out.sliced(1, s.out_joint0(), s.joint).sliced(2, hs.q_start[u], hs.q_count[u]));
     if (s.lse) {
       send.push_back(lg.view().sliced(2, g_local0 + offq[u], lq[u]));
-      recv.push_back(s.lse->sliced(2, s.out_local0(), s.sq).sliced(1, hs.q_start[u], hs.q_count[u]));
+      recv.push_back(
+          s.lse->sliced(2, s.out_local0(), s.sq).sliced(1, hs.q_start[u], hs.q_count[u]));
       send.push_back(lg.view().sliced(2, g_joint0, s.joint));
-      recv.push_back(s.lse->sliced(2, s.out_joint0(), s.joint).sliced(1, hs.q_start[u], hs.q_count[u]));
+      recv.push_back(
+          s.lse->sliced(2, s.out_joint0(), s.joint).sliced(1, hs.q_start[u], hs.q_count[u]));
     }
   }
   parallel::exchange_views(comm, send, recv);
