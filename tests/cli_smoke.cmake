@@ -176,3 +176,38 @@ string(JSON recompute GET "${REUSE_OUT}" recompute_seconds)
 if(NOT reuse_err LESS 1e-5 OR NOT recompute GREATER 0)
   message(FATAL_ERROR "prefix-reuse steps differ from the recomputed rows:\n${REUSE_OUT}")
 endif()
+
+# ---- sequence parallelism: bytes per strategy, and a ring over two processes ----
+run_dattn(TRAFFIC traffic --workload flux-1024 --ranks 2,4 --json)
+expect_success(TRAFFIC "dattn traffic")
+string(REGEX MATCHALL "[^\n]+" traffic_lines "${TRAFFIC_OUT}")
+list(LENGTH traffic_lines traffic_count)
+if(NOT traffic_count EQUAL 7)  # P=2: ulysses, ring, allgather; P=4: the same and hybrid:2x2
+  message(FATAL_ERROR "dattn traffic --ranks 2,4 prints ${traffic_count} rows:\n${TRAFFIC_OUT}")
+endif()
+list(GET traffic_lines 3 ulysses4)
+list(GET traffic_lines 4 ring4)
+string(JSON u4 GET "${ulysses4}" bytes_per_rank)
+string(JSON r4 GET "${ring4}" bytes_per_rank)
+if(NOT u4 GREATER 0 OR NOT r4 GREATER u4)  # at P=4 the ring moves more than Ulysses
+  message(FATAL_ERROR "dattn traffic: unexpected bytes:\n${TRAFFIC_OUT}")
+endif()
+run_dattn(BADPAR run --parallel spiral)
+expect_failure(BADPAR "dattn run --parallel spiral")
+if(MPIEXEC)
+  set(ENV{ASAN_OPTIONS} "detect_leaks=0")  # OpenMPI's own allocations outlive main
+  execute_process(COMMAND "${MPIEXEC}" -n 2 --oversubscribe "${DATTN}" run --workload small
+                          --parallel ring --threads 1 --json
+                  WORKING_DIRECTORY "${WORKDIR}"
+                  RESULT_VARIABLE par_rc OUTPUT_VARIABLE par_out ERROR_VARIABLE par_err)
+  if(NOT par_rc EQUAL 0)
+    message(FATAL_ERROR "mpiexec -n 2 dattn run --parallel ring exited with ${par_rc}\n"
+                        "stdout:\n${par_out}\nstderr:\n${par_err}")
+  endif()
+  string(JSON par_ranks GET "${par_out}" ranks)
+  string(JSON par_name GET "${par_out}" parallel)
+  string(JSON par_err_value GET "${par_out}" max_rel_err)
+  if(NOT par_ranks EQUAL 2 OR NOT par_name STREQUAL "ring" OR NOT par_err_value LESS 1e-5)
+    message(FATAL_ERROR "dattn run --parallel ring over 2 ranks reports:\n${par_out}")
+  endif()
+endif()

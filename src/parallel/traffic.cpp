@@ -35,8 +35,8 @@ i64 ulysses(const Sizes& s, const std::vector<i64>& len, int r) {
     if (p == r) continue;
     const auto u = std::size_t(p);
     bytes += len[std::size_t(r)] * s.batch *
-             (hs.q_count[u] * s.d * s.q + s.kv_row(hs.kv_count[u]));           // rows -> heads
-    bytes += len[u] * s.batch * s.out_row(hs.q_count[std::size_t(r)]);          // heads -> rows
+             (hs.q_count[u] * s.d * s.q + s.kv_row(hs.kv_count[u]));    // rows -> heads
+    bytes += len[u] * s.batch * s.out_row(hs.q_count[std::size_t(r)]);  // heads -> rows
   }
   return bytes + joint_gather(s, hs, P, r);
 }
@@ -60,13 +60,14 @@ i64 allgather(const Sizes& s, const std::vector<i64>& len, int r) {
 std::int64_t parallel_bytes_sent(std::string_view spec, const ParallelTraffic& call, int ranks,
                                  int rank) {
   if (ranks <= 0 || rank < 0 || rank >= ranks)
-    throw InvalidArgument("rank", "rank: " + std::to_string(rank) + " of " +
-                                      std::to_string(ranks) + " ranks is not valid");
+    throw InvalidArgument("rank", "rank: " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                                      " ranks is not valid");
   std::string s(spec);
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  const Sizes sz{call.batch,     call.joint,         call.heads,         call.kv_heads,
-                 call.head_size, call.value_head_size, i64(call.q_bytes), i64(call.kv_bytes),
-                 i64(call.out_bytes), call.lse};
+  const Sizes sz{call.batch,        call.joint,         call.heads,
+                 call.kv_heads,     call.head_size,     call.value_head_size,
+                 i64(call.q_bytes), i64(call.kv_bytes), i64(call.out_bytes),
+                 call.lse};
   std::vector<i64> len;
   for (int p = 0; p < ranks; ++p) len.push_back(shard_rows(call.rows, ranks, p).second);
   if (s == "none") return 0;
@@ -82,9 +83,9 @@ std::int64_t parallel_bytes_sent(std::string_view spec, const ParallelTraffic& c
         std::from_chars(dims.data() + x + 1, dims.data() + dims.size(), R).ptr !=
             dims.data() + dims.size() ||
         U <= 0 || R <= 0 || U * R != ranks)
-      throw InvalidArgument("parallel", "parallel: '" + std::string(spec) +
-                                            "' is not hybrid:UxR with U * R == " +
-                                            std::to_string(ranks));
+      throw InvalidArgument("parallel",
+                            "parallel: '" + std::string(spec) +
+                                "' is not hybrid:UxR with U * R == " + std::to_string(ranks));
     const int g = rank / U, u = rank % U;
     // Ulysses inside group g (its members' shards), then the ring over the groups' rows with
     // this rank's head block.

@@ -53,6 +53,8 @@ struct RunOptions {
   bool json = false;
   bool list_workloads = false;
   std::string mask_png;  // a sparse backend's block map of head 0 as a PNG
+  int reps = 1;
+  std::string parallel = "none";  // sequence parallelism over MPI (run under mpirun)
 };
 void add_run_options(CLI::App& command, RunOptions& options);
 int run_run(const RunOptions& options);
@@ -73,6 +75,16 @@ struct BenchOptions {
 };
 void add_bench_options(CLI::App& command, BenchOptions& options);
 int run_bench(const BenchOptions& options);
+
+// `dattn traffic`: the bytes each sequence-parallel strategy sends per call, from the shapes.
+struct TrafficOptions {
+  std::vector<std::string> workloads;  // default: flux-1024, wan-480p, hunyuan-720p
+  std::vector<int> ranks{2, 4, 8};
+  std::string dtype = "bf16";
+  bool json = false;
+};
+void add_traffic_options(CLI::App& command, TrafficOptions& options);
+int run_traffic(const TrafficOptions& options);
 
 // `dattn attend`: attention on tensors read from a safetensors file.
 struct AttendOptions {

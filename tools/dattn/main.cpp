@@ -27,6 +27,11 @@ int main(int argc, char** argv) {
       "bench", "Time workloads x backends x dtypes (best of --reps) as a table, JSON or SVG");
   add_bench_options(*bench_command, bench);
 
+  TrafficOptions traffic;
+  CLI::App* traffic_command = app.add_subcommand(
+      "traffic", "Bytes each sequence-parallel strategy sends per call for workload shapes");
+  add_traffic_options(*traffic_command, traffic);
+
   AttendOptions attend;
   CLI::App* attend_command = app.add_subcommand(
       "attend", "Run attention on tensors from a safetensors file and write the result");
@@ -43,6 +48,7 @@ int main(int argc, char** argv) {
     if (*run_command) return run_run(run);
     if (*bench_command) return run_bench(bench);
     if (*attend_command) return run_attend(attend);
+    if (*traffic_command) return run_traffic(traffic);
   } catch (const std::bad_alloc&) {
     std::cerr << "error: out of memory (for a large workload, try fewer heads: --heads N)\n";
     return kExitError;

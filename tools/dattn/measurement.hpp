@@ -39,6 +39,10 @@ RunReport measure(const Measurement& m);
 // shuffled block tables, and the prefix-reuse workload (cached prefix against recompute).
 RunReport measure_paged(const Measurement& m);
 RunReport measure_prefix_reuse(const Measurement& m);
+// Sequence parallelism (parallel_measurement.cpp): this process is one rank of MPI_COMM_WORLD
+// (run under mpirun) and takes its contiguous shard of the rows; rank 0's report covers the
+// group, the other ranks' is empty (nullopt).
+std::optional<RunReport> measure_parallel(const Measurement& m, const std::string& parallel);
 // Peak and efficiency fields of `report` for `threads` threads and dtype `dtype`.
 void fill_peak(RunReport& report, int threads, DType dtype);
 // ||a - b|| / ||b|| over all elements of two tensors of one shape.

@@ -51,6 +51,9 @@ nlohmann::json to_json(const RunReport& r) {
   j["page_block"] = r.page_block;
   j["page_dtype"] = r.page_dtype.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.page_dtype);
   j["recompute_seconds"] = opt(r.recompute_seconds);
+  j["parallel"] = r.parallel;
+  j["ranks"] = r.ranks;
+  j["bytes_sent"] = opt(r.bytes_sent);
   j["selection_seconds"] =
       r.selection_seconds ? nlohmann::json(*r.selection_seconds) : nlohmann::json(nullptr);
   return j;
@@ -65,6 +68,14 @@ void print_text(std::ostream& os, const RunReport& r) {
                  << ", Hq " << r.shape.hq << ", Hkv " << r.shape.hkv << ", D " << r.shape.d
                  << ", J " << r.shape.joint << " (" << r.layout << ")\n";
   label("dtype") << r.dtype << ", " << r.threads << " thread(s), seed " << r.seed << '\n';
+  if (r.ranks > 1 || r.parallel != "none") {
+    label("parallel") << r.parallel << " over " << r.ranks << " processes of " << r.threads
+                      << " thread(s)";
+    if (r.bytes_sent)
+      os << ", " << std::fixed << std::setprecision(2) << *r.bytes_sent / 1048576.0
+         << " MiB sent per rank per call" << std::defaultfloat;
+    os << '\n';
+  }
   label("time") << std::fixed << std::setprecision(4) << r.seconds << " s for "
                 << std::setprecision(3) << r.flops * 1e-9 << " GFLOP\n";
   label("rate") << std::setprecision(2) << r.gflops << " GFLOP/s of " << r.peak_gflops << " peak ("

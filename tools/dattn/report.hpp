@@ -57,6 +57,13 @@ struct RunReport {
   std::string page_dtype;
   // prefix-reuse: the time of recomputing every row per step (seconds is one cached step).
   std::optional<double> recompute_seconds;
+  // Sequence parallelism: the strategy ("none" on one process), the ranks (processes), and the
+  // most bytes one rank sends per call. With ranks > 1, `seconds` is the slowest rank's time,
+  // `gflops` the whole group's, `peak_gflops` ranks x one process's peak, and `check` compares
+  // every row with one process running the same inputs.
+  std::string parallel = "none";
+  int ranks = 1;
+  std::optional<double> bytes_sent;
 };
 
 // One flat JSON object; the error keys are null when no rows were checked.

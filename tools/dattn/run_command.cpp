@@ -20,6 +20,15 @@ void add_run_options(CLI::App& command, RunOptions& options) {
   add_measure_options(command, options.measure);
   command.add_flag("--json", options.json, "Print one JSON object per line");
   command.add_flag("--list-workloads", options.list_workloads, "List the workloads and exit");
+  command.add_option("--reps", options.reps, "Timed calls after one warm-up; the best counts")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  command
+      .add_option("--parallel", options.parallel,
+                  "Sequence parallelism over MPI: none, ulysses, ulysses-strict, ring, allgather "
+                  "or hybrid:UxR; run as `mpirun -np P dattn run ...`, each process takes its "
+                  "shard of the rows and rank 0 reports for the group")
+      ->capture_default_str();
   command.add_option("--mask-png", options.mask_png,
                      "With a sparse backend: write its block map of head 0 as a PNG "
                      "(query blocks down, key blocks across)");
@@ -37,6 +46,16 @@ int run_run(const RunOptions& options) {
   m.dtype = parse_dtype(options.dtype).value_or(DType::F32);
   m.progress_prefix = "dattn run: ";
   m.mask_png = options.mask_png;
+  m.reps = options.reps;
+  if (options.parallel != "none") {
+    const std::optional<RunReport> group = measure_parallel(m, options.parallel);
+    if (!group) return kExitOk;  // not rank 0
+    if (options.json)
+      std::cout << to_json(*group).dump() << '\n';
+    else
+      print_text(std::cout, *group);
+    return kExitOk;
+  }
   const RunReport report = measure(m);
   if (options.json)
     std::cout << to_json(report).dump() << '\n';
