@@ -173,15 +173,31 @@ void RingParallel::forward(const AttentionInputs& inputs, const ParallelContext&
           vb = vb.sliced(1, 0, keep);
         }
         const i64 kpos = k_block_pos(src);
-        if (step == 0 && J > 0) {
-          attend(s.q, q_local_pos, *s.jk, *s.jv, k_joint_pos, s.hq, s.hkv, img, false);
-          attend(s.jq->sliced(2, jq0, jqn), q_joint_pos, s.jk->sliced(2, jk0, jkn),
-                 s.jv->sliced(2, jk0, jkn), k_joint_pos, jqn, jkn, jnt, false);
-        }
-        attend(s.q, q_local_pos, kb, vb, kpos, s.hq, s.hkv, img, false);
-        if (J > 0)
+        if (step == 0 && J > 0 && !ctx.causal) {
+          // Without causality positions do not matter: the joint keys and this rank's block
+          // go through the kernel as one key sequence.
+          const Tensor kc = Tensor::empty({s.batch, J + kb.size(1), s.hkv, s.d}, s.k.dtype());
+          const Tensor vc = Tensor::empty({s.batch, J + kb.size(1), s.hkv, s.dv}, s.v.dtype());
+          copy_into(*s.jk, kc.view().sliced(1, 0, J));
+          copy_into(*s.jv, vc.view().sliced(1, 0, J));
+          copy_into(kb, kc.view().sliced(1, J, kb.size(1)));
+          copy_into(vb, vc.view().sliced(1, J, vb.size(1)));
+          kb = kc.view();
+          vb = vc.view();
+          attend(s.q, q_local_pos, kb, vb, 0, s.hq, s.hkv, img, false);
           attend(s.jq->sliced(2, jq0, jqn), q_joint_pos, kb.sliced(2, jk0, jkn),
-                 vb.sliced(2, jk0, jkn), kpos, jqn, jkn, jnt, false);
+                 vb.sliced(2, jk0, jkn), 0, jqn, jkn, jnt, false);
+        } else {
+          if (step == 0 && J > 0) {
+            attend(s.q, q_local_pos, *s.jk, *s.jv, k_joint_pos, s.hq, s.hkv, img, false);
+            attend(s.jq->sliced(2, jq0, jqn), q_joint_pos, s.jk->sliced(2, jk0, jkn),
+                   s.jv->sliced(2, jk0, jkn), k_joint_pos, jqn, jkn, jnt, false);
+          }
+          attend(s.q, q_local_pos, kb, vb, kpos, s.hq, s.hkv, img, false);
+          if (J > 0)
+            attend(s.jq->sliced(2, jq0, jqn), q_joint_pos, kb.sliced(2, jk0, jkn),
+                   vb.sliced(2, jk0, jkn), kpos, jqn, jkn, jnt, false);
+        }
       } catch (...) {
         error = std::current_exception();  // keep the ring turning; the ranks agree below
       }

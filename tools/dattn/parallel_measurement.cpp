@@ -25,8 +25,9 @@ namespace dattn::cli {
 #ifndef DATTN_HAVE_MPI
 
 std::optional<RunReport> measure_parallel(const Measurement&, const std::string&) {
-  throw NotAvailable("parallel", "parallel: this dattn was built without MPI; install "
-                                 "libopenmpi-dev and openmpi-bin, then rebuild");
+  throw NotAvailable("parallel",
+                     "parallel: this dattn was built without MPI; install "
+                     "libopenmpi-dev and openmpi-bin, then rebuild");
 }
 
 #else
@@ -55,8 +56,9 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   const int P = world->size(), rank = world->rank();
   const Workload& w = m.workload;
   if (m.page_block > 0 || w.prefix_rows > 0)
-    throw Unsupported("parallel", "parallel: --parallel runs dense workloads, not --paged or "
-                                  "prefix-reuse");
+    throw Unsupported("parallel",
+                      "parallel: --parallel runs dense workloads, not --paged or "
+                      "prefix-reuse");
   const auto progress = [&](const std::string& message) {
     if (m.progress && rank == 0) std::cerr << m.progress_prefix << message << std::endl;
   };
@@ -78,7 +80,8 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   const auto [q0, qn] = shard_rows(w.query_rows, P, rank);
   const auto [k0, kn] = shard_rows(w.key_rows, P, rank);
   AttentionMetadata meta = inputs.metadata;
-  if (meta.attn_mask && meta.attn_mask->ndim() == 2) meta.attn_mask = meta.attn_mask->sliced(1, k0, kn);
+  if (meta.attn_mask && meta.attn_mask->ndim() == 2)
+    meta.attn_mask = meta.attn_mask->sliced(1, k0, kn);
   const TensorView q = rows_of(inputs.q, layout, q0, qn);
   const TensorView k = rows_of(inputs.k, layout, k0, kn);
   const TensorView v = rows_of(inputs.v, layout, k0, kn);
@@ -132,11 +135,11 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
     if (rank == 0) {
       progress("comparing every row with one process...");
       const Attention single(config);
-      const Tensor want = Tensor::zeros(out.shape().size() == 3
-                                            ? std::vector<i64>{w.output_rows(), w.heads, w.head_size}
-                                            : std::vector<i64>{w.batch, w.output_rows(), w.heads,
-                                                               w.head_size},
-                                        m.dtype);
+      const Tensor want =
+          Tensor::zeros(out.shape().size() == 3
+                            ? std::vector<i64>{w.output_rows(), w.heads, w.head_size}
+                            : std::vector<i64>{w.batch, w.output_rows(), w.heads, w.head_size},
+                        m.dtype);
       single.forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, want.view());
       double max_abs = 0, max_ref = 0;
       auto compare = [&](const TensorView& got, const TensorView& ref) {
@@ -180,8 +183,8 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   report.threads = threads;
   report.seed = m.seed;
   report.reps = std::max(m.reps, 1);
-  report.shape = {w.batch, w.query_rows, w.key_rows, w.heads, w.kv_heads, w.head_size,
-                  w.joint_rows};
+  report.shape = {w.batch,    w.query_rows, w.key_rows,  w.heads,
+                  w.kv_heads, w.head_size,  w.joint_rows};
   report.seconds = seconds;
   report.gflops = report.flops / seconds * 1e-9;
   report.parallel = pconfig.parallel->name();
@@ -193,8 +196,7 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   t.heads = w.heads, t.kv_heads = w.kv_heads, t.head_size = t.value_head_size = w.head_size;
   t.q_bytes = t.kv_bytes = t.out_bytes = dtype_size(m.dtype);
   double most = 0;
-  for (int p = 0; p < P; ++p)
-    most = std::max(most, double(parallel_bytes_sent(parallel, t, P, p)));
+  for (int p = 0; p < P; ++p) most = std::max(most, double(parallel_bytes_sent(parallel, t, P, p)));
   report.bytes_sent = most;
   fill_peak(report, threads, m.dtype);
   report.peak_gflops *= P;

@@ -32,9 +32,9 @@ int run_traffic(const TrafficOptions& options) {
     std::cout << "bytes sent per rank per attention call (one layer), " << options.dtype
               << ", no mask; MiB = 2^20 bytes\n"
               << std::left << std::setw(14) << "workload" << std::setw(15) << "strategy"
-              << std::right << std::setw(4) << "P" << std::setw(14) << "MiB/rank"
-              << std::setw(14) << "MiB total" << std::setw(14) << "GFLOP/rank" << std::setw(12)
-              << "FLOP/byte" << '\n';
+              << std::right << std::setw(4) << "P" << std::setw(14) << "MiB/rank" << std::setw(14)
+              << "MiB total" << std::setw(14) << "GFLOP/rank" << std::setw(12) << "FLOP/byte"
+              << '\n';
   for (const std::string& name : names) {
     const Workload* w = find_workload(name);
     if (w == nullptr) {
@@ -51,7 +51,8 @@ int run_traffic(const TrafficOptions& options) {
     for (int P : options.ranks) {
       std::vector<std::string> specs{"ulysses", "ring", "allgather"};
       for (int u = 2; u < P; u *= 2)
-        if (P % u == 0) specs.push_back("hybrid:" + std::to_string(u) + "x" + std::to_string(P / u));
+        if (P % u == 0)
+          specs.push_back("hybrid:" + std::to_string(u) + "x" + std::to_string(P / u));
       for (const std::string& spec : specs) {
         double most = 0, total = 0;
         for (int r = 0; r < P; ++r) {
@@ -61,10 +62,10 @@ int run_traffic(const TrafficOptions& options) {
         }
         const double flops = attention_flops(*w) / P;
         if (options.json) {
-          nlohmann::json j{{"workload", name},       {"strategy", spec},
-                           {"ranks", P},             {"dtype", options.dtype},
-                           {"bytes_per_rank", most}, {"bytes_total", total},
-                           {"flops_per_rank", flops}};
+          nlohmann::json j{
+              {"workload", name},       {"strategy", spec},       {"ranks", P},
+              {"dtype", options.dtype}, {"bytes_per_rank", most}, {"bytes_total", total},
+              {"flops_per_rank", flops}};
           std::cout << j.dump() << '\n';
         } else {
           std::cout << std::left << std::setw(14) << name << std::setw(15) << spec << std::right
