@@ -33,6 +33,7 @@ struct ParallelCase {
   bool dense_mask = false;  // 4-D additive mask over the whole sequence [1, H, J+S, J+S]
   bool packed = false;      // cu_seqlens over the whole sequence (batch 1, three documents)
   DType dtype = DType::F32;
+  bool bhsd = false;  // the parallel layer reads and writes BHSD views of the same tensors
   std::string backend = "FLASH";
   std::uint32_t seed = 7;
   // A bad input on one rank only (its parallel call; the single-process result stays good).
@@ -108,9 +109,17 @@ inline ParallelOutcome run_parallel_case(const std::shared_ptr<Communicator>& co
   const auto [start, length] = case_shard(c, comm->size(), comm->rank());
   AttentionConfig pconfig = config;
   pconfig.parallel = make_parallel_strategy(c.strategy, comm);
+  const std::array<int, 4> swap{0, 2, 1, 3};
+  auto in_layout = [&](const TensorView& t) { return c.bhsd ? t.permuted(swap) : t; };
+  if (c.bhsd) pconfig.qkv_layout = QkvLayout::BHSD;
   const Attention layer(pconfig);
   AttentionMetadata mine = whole;
   if (c.key_mask) mine.attn_mask = key_mask.view().sliced(1, start, length);
+  if (c.bhsd && J > 0) {
+    mine.joint_query = in_layout(jq.view());
+    mine.joint_key = in_layout(jk.view());
+    mine.joint_value = in_layout(jv.view());
+  }
   TensorView k_mine = k.view().sliced(1, start, length);
   const Tensor k_bad = random_tensor({B, length, c.kv_heads, std::max<i64>(1, c.bad_key_head_size)},
                                      c.dtype, c.seed + 9);
@@ -118,8 +127,11 @@ inline ParallelOutcome run_parallel_case(const std::shared_ptr<Communicator>& co
     if (c.bad_key_head_size > 0) k_mine = k_bad.view();
     if (c.bad_valid_kv_length) mine.extra.valid_kv_length = c.bad_valid_kv_length;
   }
-  const ForwardResult got = layer.forward(q.view().sliced(1, start, length), k_mine,
-                                          v.view().sliced(1, start, length), mine, true);
+  const ForwardResult got_raw =
+      layer.forward(in_layout(q.view().sliced(1, start, length)), in_layout(k_mine),
+                    in_layout(v.view().sliced(1, start, length)), mine, true);
+  const TensorView got_out = in_layout(got_raw.out.view());  // back to BSHD
+  const TensorView got_lse = got_raw.lse->view();
 
   // Rows of the single-process output that this rank holds, in its order.
   const i64 want_local0 = (c.front ? J : 0) + start, want_joint0 = c.front ? 0 : S;
@@ -131,12 +143,12 @@ inline ParallelOutcome run_parallel_case(const std::shared_ptr<Communicator>& co
         for (i64 h = 0; h < c.heads; ++h) {
           for (i64 e = 0; e < c.dv; ++e) {
             const std::array<i64, 4> gi{b, got_row + i, h, e}, wi{b, want_row + i, h, e};
-            const double x = load_as_f32(got.out.view().element_ptr(gi), got.out.dtype(), 0);
+            const double x = load_as_f32(got_out.element_ptr(gi), got_out.dtype(), 0);
             const double y = load_as_f32(want.out.view().element_ptr(wi), want.out.dtype(), 0);
             o.out_err = std::max(o.out_err, std::isnan(x - y) ? 1e30 : std::fabs(x - y));
           }
           const std::array<i64, 3> gl{b, h, got_row + i}, wl{b, h, want_row + i};
-          const double x = load_as_f32(got.lse->view().element_ptr(gl), DType::F32, 0);
+          const double x = load_as_f32(got_lse.element_ptr(gl), DType::F32, 0);
           const double y = load_as_f32(want.lse->view().element_ptr(wl), DType::F32, 0);
           if (std::isinf(x) || std::isinf(y))
             o.lse_err = std::max(o.lse_err, x == y ? 0.0 : 1e30);

@@ -260,6 +260,17 @@ TEST(Parallel, Bf16InputsMoveAsBf16) {
   }
 }
 
+TEST(Parallel, BhsdViews) {
+  for (const std::string s : {"ulysses", "ring", "hybrid:2x2", "allgather"}) {
+    ParallelCase c;
+    c.strategy = s;
+    c.bhsd = true;
+    c.joint = 3;
+    c.front = false;
+    expect_matches(4, c);
+  }
+}
+
 TEST(Parallel, StrategyNames) {
   auto comms = make_in_process_group(1);
   EXPECT_EQ(make_parallel_strategy("RING", comms[0])->name(), "ring");
