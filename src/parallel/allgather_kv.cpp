@@ -67,6 +67,9 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
     s = parallel::read_shard(inputs, ctx);
     if (ctx.causal) parallel::unsupported(who, "causal", "causal attention");
     if (meta.packed_padding) parallel::unsupported(who, "packed_padding", "packed padding");
+    if (meta.video_layout)
+      parallel::unsupported(who, "video_layout",
+                            "a video token layout (it describes the whole sequence; use ulysses)");
     if (meta.attn_mask && meta.attn_mask->ndim() == 2) {
       const TensorView& m = *meta.attn_mask;
       if (m.dtype() != DType::Bool || m.size(0) != s.batch || m.size(1) != s.skv)

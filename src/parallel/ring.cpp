@@ -50,6 +50,9 @@ void reject(const AttentionMetadata& m, bool causal) {
   if (m.query_ranges || m.q_global_start || m.k_global_start)
     parallel::unsupported(who, "query_ranges",
                           "caller positions (the ring places the shards itself)");
+  if (m.video_layout)
+    parallel::unsupported(who, "video_layout",
+                          "a video token layout (it describes the whole sequence; use ulysses)");
   if (causal && m.extra.valid_kv_length)
     parallel::unsupported(who, "valid_kv_length", "valid_kv_length with causal attention");
 }
