@@ -28,10 +28,11 @@ struct ParallelCase {
   bool front = true;
   bool causal = false;
   std::optional<std::int64_t> valid_kv_length;
-  bool key_mask = false;    // 2-D bool key mask (each rank passes its own columns)
-  bool joint_mask = false;  // joint_attn_mask
-  bool dense_mask = false;  // 4-D additive mask over the whole sequence [1, H, J+S, J+S]
-  bool packed = false;      // cu_seqlens over the whole sequence (batch 1, three documents)
+  bool key_mask = false;      // 2-D bool key mask (each rank passes its own columns)
+  bool joint_mask = false;    // joint_attn_mask
+  bool dense_mask = false;    // 4-D additive mask over the whole sequence [1, H, J+S, J+S]
+  bool packed = false;        // cu_seqlens over the whole sequence (batch 1, three documents)
+  bool video_layout = false;  // a one-tail video layout over the whole sequence
   DType dtype = DType::F32;
   bool bhsd = false;  // the parallel layer reads and writes BHSD views of the same tensors
   std::string backend = "FLASH";
@@ -97,6 +98,11 @@ inline ParallelOutcome run_parallel_case(const std::shared_ptr<Communicator>& co
   if (c.key_mask) whole.attn_mask = key_mask.view();
   if (c.dense_mask) whole.attn_mask = dense.view();
   whole.extra.valid_kv_length = c.valid_kv_length;
+  if (c.video_layout) {
+    whole.video_layout = VideoTokenLayout{};
+    whole.video_layout->prefix_len = 0;
+    whole.video_layout->latent_grid = LatentGrid{1, 1, S};
+  }
   if (c.packed) {
     whole.extra.cu_seqlens_q = cu.view();
     whole.extra.cu_seqlens_k = cu.view();

@@ -238,6 +238,17 @@ TEST(Parallel, AllGatherRejectsCausal) {
   expect_raises_everywhere<Unsupported>(2, c, "causal");
 }
 
+TEST(Parallel, VideoLayoutOnlyUnderUlysses) {
+  ParallelCase c;
+  c.video_layout = true;
+  c.strategy = "ulysses";  // dense FLASH ignores the layout; Ulysses passes it whole
+  expect_matches(3, c);
+  for (const std::string s : {"ring", "allgather"}) {
+    c.strategy = s;
+    expect_raises_everywhere<Unsupported>(3, c, "video_layout");
+  }
+}
+
 TEST(Parallel, ErrorFoundByTheKernelOnOneRankRaisesOnAll) {
   // valid_kv_length past the keys on rank 2 only: Ulysses finds it after the exchange (the
   // kernel's checks), the ring before it; every rank raises either way.
