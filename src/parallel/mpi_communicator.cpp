@@ -1,8 +1,11 @@
-// Communicator over MPI: all-to-all-v and all-gather as MPI collectives over bytes, send/recv
+// Communicator over MPI: all-to-all-v as non-blocking sends and receives with every peer in
+// pieces of at most 1 GiB (no 2 GiB cap per block), all-gather as MPI_Allgather, send/recv
 // pairs as MPI_Isend/MPI_Irecv, sub-groups through MPI_Comm_split (key = rank keeps the order).
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -29,30 +32,30 @@ int as_int(std::size_t n, const char* what) {
   return static_cast<int>(n);
 }
 
-std::vector<int> as_ints(const std::vector<std::size_t>& v, const char* what) {
-  std::vector<int> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = as_int(v[i], what);
-  return out;
-}
-
 class MpiTransfer final : public PendingTransfer {
  public:
   MpiTransfer() = default;
   ~MpiTransfer() override {
-    if (!done_) MPI_Waitall(2, requests_, MPI_STATUSES_IGNORE);
+    if (!done_ && !requests_.empty())
+      MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
   }
   void wait() override {
     if (done_) return;
     done_ = true;
-    check(MPI_Waitall(2, requests_, MPI_STATUSES_IGNORE), "MPI_Waitall");
+    if (!requests_.empty())
+      check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE),
+            "MPI_Waitall");
   }
-  MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  std::vector<MPI_Request> requests_;
 
  private:
   bool done_ = false;
 };
 
 class MpiCommunicator final : public Communicator {
+  static constexpr std::size_t kPiece = std::size_t{1} << 30;
+  static constexpr int kCollectiveTag = 0x6462;  // "db"
+
  public:
   explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
     check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -69,17 +72,48 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
+  // Point to point with every peer rather than MPI_Alltoallv, whose int counts would cap a
+  // block at 2 GiB: each block goes in pieces of at most kPiece bytes (a large exchange is
+  // pairwise inside MPI anyway). This rank's own block is a memcpy.
   void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
                     const std::vector<std::size_t>& send_displs, void* recv,
                     const std::vector<std::size_t>& recv_counts,
                     const std::vector<std::size_t>& recv_displs) override {
-    const std::vector<int> sc = as_ints(send_counts, "all_to_all_v"),
-                           sd = as_ints(send_displs, "all_to_all_v"),
-                           rc = as_ints(recv_counts, "all_to_all_v"),
-                           rd = as_ints(recv_displs, "all_to_all_v");
-    check(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE,
-                        comm_),
-          "MPI_Alltoallv");
+    const auto n = static_cast<std::size_t>(size_);
+    if (send_counts.size() != n || send_displs.size() != n || recv_counts.size() != n ||
+        recv_displs.size() != n)
+      throw std::logic_error("all_to_all_v: counts and displacements need one entry per rank");
+    const auto me = static_cast<std::size_t>(rank_);
+    std::vector<MPI_Request> requests;
+    auto pieces = [&](std::size_t bytes, auto&& post) {
+      for (std::size_t at = 0; at < bytes; at += kPiece)
+        post(at, static_cast<int>(std::min(kPiece, bytes - at)));
+    };
+    for (std::size_t p = 0; p < n; ++p) {
+      if (p == me) continue;
+      pieces(recv_counts[p], [&](std::size_t at, int count) {
+        requests.emplace_back();
+        check(MPI_Irecv(static_cast<char*>(recv) + recv_displs[p] + at, count, MPI_BYTE, int(p),
+                        kCollectiveTag, comm_, &requests.back()),
+              "MPI_Irecv");
+      });
+    }
+    for (std::size_t k = 1; k < n; ++k) {  // staggered, so that not every rank sends to rank 0
+      const std::size_t p = (me + k) % n;
+      pieces(send_counts[p], [&](std::size_t at, int count) {
+        requests.emplace_back();
+        check(MPI_Isend(static_cast<const char*>(send) + send_displs[p] + at, count, MPI_BYTE,
+                        int(p), kCollectiveTag, comm_, &requests.back()),
+              "MPI_Isend");
+      });
+    }
+    if (recv_counts[me] != send_counts[me])
+      throw std::logic_error("all_to_all_v: this rank's own block differs in size");
+    if (send_counts[me] != 0)
+      std::memcpy(static_cast<char*>(recv) + recv_displs[me],
+                  static_cast<const char*>(send) + send_displs[me], send_counts[me]);
+    check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+          "MPI_Waitall");
   }
 
   void all_gather(const void* send, std::size_t bytes, void* recv) override {
@@ -92,12 +126,20 @@ class MpiCommunicator final : public Communicator {
                                                    int source) override {
     auto t = std::make_unique<MpiTransfer>();
     constexpr int kTag = 0x6461;  // "da"
-    check(MPI_Irecv(recv, as_int(recv_bytes, "recv"), MPI_BYTE, source, kTag, comm_,
-                    &t->requests_[0]),
-          "MPI_Irecv");
-    check(
-        MPI_Isend(send, as_int(send_bytes, "send"), MPI_BYTE, dest, kTag, comm_, &t->requests_[1]),
-        "MPI_Isend");
+    for (std::size_t at = 0; at < recv_bytes; at += kPiece) {
+      t->requests_.emplace_back();
+      check(MPI_Irecv(static_cast<char*>(recv) + at,
+                      static_cast<int>(std::min(kPiece, recv_bytes - at)), MPI_BYTE, source, kTag,
+                      comm_, &t->requests_.back()),
+            "MPI_Irecv");
+    }
+    for (std::size_t at = 0; at < send_bytes; at += kPiece) {
+      t->requests_.emplace_back();
+      check(MPI_Isend(static_cast<const char*>(send) + at,
+                      static_cast<int>(std::min(kPiece, send_bytes - at)), MPI_BYTE, dest, kTag,
+                      comm_, &t->requests_.back()),
+            "MPI_Isend");
+    }
     return t;
   }
 
