@@ -70,16 +70,7 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
     if (meta.video_layout)
       parallel::unsupported(who, "video_layout",
                             "a video token layout (it describes the whole sequence; use ulysses)");
-    if (meta.attn_mask && meta.attn_mask->ndim() == 2) {
-      const TensorView& m = *meta.attn_mask;
-      if (m.dtype() != DType::Bool || m.size(0) != s.batch || m.size(1) != s.skv)
-        throw InvalidArgument("attn_mask",
-                              "attn_mask: a 2-D mask under allgather is this rank's "
-                              "bool key mask [" +
-                                  std::to_string(s.batch) + ", " + std::to_string(s.skv) +
-                                  "], got " + m.describe());
-      key_mask = true;
-    }
+    key_mask = parallel::rank_key_mask(meta, s, who);
     if (meta.joint_attn_mask) {
       const TensorView& jm = *meta.joint_attn_mask;
       if (jm.dtype() != DType::Bool || jm.ndim() != 2 || jm.size(0) != s.batch ||
@@ -108,11 +99,9 @@ void AllGatherKvParallel::forward(const AttentionInputs& inputs, const ParallelC
   }
   const std::vector<i64> all = parallel::agree(comm, error, header);
   const parallel::ShardLengths lengths = parallel::check_headers(all, P);
-  const std::vector<i64>& lq = lengths.q;
   const std::vector<i64>& lkv = lengths.kv;
-  const std::vector<i64> offq = parallel::exclusive_offsets(lq),
-                         offkv = parallel::exclusive_offsets(lkv);
-  const i64 sq_all = offq.back(), skv_all = offkv.back(), J = s.joint;
+  const std::vector<i64>&offq = lengths.offq, &offkv = lengths.offkv;
+  const i64 sq_all = lengths.sq_all(), skv_all = lengths.skv_all(), J = s.joint;
   const i64 off = offq[std::size_t(r)];
   const i64 kv_rows = J + skv_all;
   const i64 k_local0 = s.front ? J : 0, k_joint0 = s.front ? 0 : skv_all;

@@ -1,9 +1,11 @@
 // Building a strategy from its name, the hybrid's sub-groups, and the usual row split.
+#include <cctype>
 #include <charconv>
 #include <string>
 
 #include "dattn/errors.hpp"
 #include "dattn/parallel.hpp"
+#include "parallel/spec.hpp"
 
 namespace dattn {
 
@@ -35,16 +37,16 @@ std::shared_ptr<ParallelStrategy> make_hybrid_parallel(const std::shared_ptr<Com
                                            comm);
 }
 
-std::shared_ptr<ParallelStrategy> make_parallel_strategy(
-    std::string_view spec, const std::shared_ptr<Communicator>& comm) {
+namespace parallel {
+
+StrategySpec parse_strategy(std::string_view spec) {
   std::string s(spec);
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (s == "none" || s.empty()) return std::make_shared<NoParallel>();
-  if (!comm) throw InvalidArgument("communicator", "communicator: must not be null");
-  if (s == "ulysses") return std::make_shared<UlyssesParallel>(comm, false);
-  if (s == "ulysses-strict") return std::make_shared<UlyssesParallel>(comm, true);
-  if (s == "ring") return std::make_shared<RingParallel>(comm);
-  if (s == "allgather" || s == "allgather-kv") return std::make_shared<AllGatherKvParallel>(comm);
+  if (s == "none" || s.empty()) return {StrategyKind::none};
+  if (s == "ulysses") return {StrategyKind::ulysses};
+  if (s == "ulysses-strict") return {StrategyKind::ulysses_strict};
+  if (s == "ring") return {StrategyKind::ring};
+  if (s == "allgather" || s == "allgather-kv") return {StrategyKind::allgather};
   if (s.rfind("hybrid:", 0) == 0) {
     const std::string dims = s.substr(7);
     const auto x = dims.find('x');
@@ -52,11 +54,36 @@ std::shared_ptr<ParallelStrategy> make_parallel_strategy(
     if (x == std::string::npos ||
         std::from_chars(dims.data(), dims.data() + x, u).ptr != dims.data() + x ||
         std::from_chars(dims.data() + x + 1, dims.data() + dims.size(), r).ptr !=
-            dims.data() + dims.size())
-      bad_spec(spec, "is not hybrid:UxR with integers U and R");
-    return make_hybrid_parallel(comm, u, r);
+            dims.data() + dims.size() ||
+        u <= 0 || r <= 0)
+      bad_spec(spec, "is not hybrid:UxR with positive integers U and R");
+    return {StrategyKind::hybrid, u, r};
   }
   bad_spec(spec, "is not a strategy");
+}
+
+}  // namespace parallel
+
+std::shared_ptr<ParallelStrategy> make_parallel_strategy(
+    std::string_view spec, const std::shared_ptr<Communicator>& comm) {
+  const parallel::StrategySpec parsed = parallel::parse_strategy(spec);
+  if (parsed.kind == parallel::StrategyKind::none) return std::make_shared<NoParallel>();
+  if (!comm) throw InvalidArgument("communicator", "communicator: must not be null");
+  switch (parsed.kind) {
+    case parallel::StrategyKind::ulysses:
+      return std::make_shared<UlyssesParallel>(comm, false);
+    case parallel::StrategyKind::ulysses_strict:
+      return std::make_shared<UlyssesParallel>(comm, true);
+    case parallel::StrategyKind::ring:
+      return std::make_shared<RingParallel>(comm);
+    case parallel::StrategyKind::allgather:
+      return std::make_shared<AllGatherKvParallel>(comm);
+    case parallel::StrategyKind::hybrid:
+      return make_hybrid_parallel(comm, parsed.ulysses, parsed.ring);
+    case parallel::StrategyKind::none:
+      break;
+  }
+  return std::make_shared<NoParallel>();
 }
 
 std::pair<std::int64_t, std::int64_t> shard_rows(std::int64_t total, int ranks, int rank) {

@@ -80,11 +80,9 @@ void RingParallel::forward(const AttentionInputs& inputs, const ParallelContext&
   }
   const std::vector<i64> all = parallel::agree(comm, error, header);
   const parallel::ShardLengths lengths = parallel::check_headers(all, P);
-  const std::vector<i64>& lq = lengths.q;
   const std::vector<i64>& lkv = lengths.kv;
-  const std::vector<i64> offq = parallel::exclusive_offsets(lq),
-                         offkv = parallel::exclusive_offsets(lkv);
-  const i64 sq_all = offq.back(), skv_all = offkv.back(), J = s.joint;
+  const std::vector<i64>&offq = lengths.offq, &offkv = lengths.offkv;
+  const i64 sq_all = lengths.sq_all(), skv_all = lengths.skv_all(), J = s.joint;
   const auto vl = meta.extra.valid_kv_length;
   if (vl && (*vl <= 0 || *vl > skv_all))
     throw InvalidArgument("valid_kv_length", "valid_kv_length: = " + std::to_string(*vl) +

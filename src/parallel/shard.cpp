@@ -219,7 +219,18 @@ ShardLengths check_headers(const std::vector<i64>& all, int ranks) {
                               std::to_string(p) + " has " + std::to_string(all[at + i]) +
                               ", rank 0 has " + std::to_string(all[i]));
   }
+  l.offq = exclusive_offsets(l.q);
+  l.offkv = exclusive_offsets(l.kv);
   return l;
+}
+
+bool rank_key_mask(const AttentionMetadata& meta, const Shard& s, const std::string& who) {
+  if (!meta.attn_mask || meta.attn_mask->ndim() != 2) return false;
+  const TensorView& m = *meta.attn_mask;
+  if (m.dtype() != DType::Bool || m.size(0) != s.batch || m.size(1) != s.skv)
+    invalid("attn_mask", "a 2-D mask under " + who + " is this rank's bool key mask " +
+                             dims({s.batch, s.skv}) + ", got " + m.describe());
+  return true;
 }
 
 AttentionMetadata without_joint(const AttentionMetadata& meta) {

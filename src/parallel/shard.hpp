@@ -34,9 +34,16 @@ i64 metadata_fingerprint(const AttentionMetadata& meta);
 // Every rank's lengths from the gathered headers; throws InvalidArgument (the same on every
 // rank) where a rank differs from rank 0 in what they must share.
 struct ShardLengths {
-  std::vector<i64> q, kv;
+  std::vector<i64> q, kv;        // rows of each rank
+  std::vector<i64> offq, offkv;  // where each rank's rows start, and the totals at the end
+  i64 sq_all() const { return offq.back(); }
+  i64 skv_all() const { return offkv.back(); }
 };
 ShardLengths check_headers(const std::vector<i64>& all, int ranks);
+
+// True when `meta` has a 2-D attn_mask: then it must be this rank's bool key mask
+// [B, S_local] (else InvalidArgument naming the strategy `who`).
+bool rank_key_mask(const AttentionMetadata& meta, const Shard& s, const std::string& who);
 
 // A copy of `meta` without the joint tensors and mask (the strategy attaches them itself).
 AttentionMetadata without_joint(const AttentionMetadata& meta);

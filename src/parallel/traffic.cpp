@@ -1,12 +1,11 @@
 // What each strategy sends per call, from the shapes alone (the same splits the strategies use).
-#include <cctype>
-#include <charconv>
 #include <string>
 #include <vector>
 
 #include "dattn/errors.hpp"
 #include "dattn/parallel.hpp"
 #include "parallel/exchange.hpp"
+#include "parallel/spec.hpp"
 
 namespace dattn {
 
@@ -62,49 +61,47 @@ std::int64_t parallel_bytes_sent(std::string_view spec, const ParallelTraffic& c
   if (ranks <= 0 || rank < 0 || rank >= ranks)
     throw InvalidArgument("rank", "rank: " + std::to_string(rank) + " of " + std::to_string(ranks) +
                                       " ranks is not valid");
-  std::string s(spec);
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   const Sizes sz{call.batch,        call.joint,         call.heads,
                  call.kv_heads,     call.head_size,     call.value_head_size,
                  i64(call.q_bytes), i64(call.kv_bytes), i64(call.out_bytes),
                  call.lse};
   std::vector<i64> len;
   for (int p = 0; p < ranks; ++p) len.push_back(shard_rows(call.rows, ranks, p).second);
-  if (s == "none") return 0;
-  if (s == "ulysses" || s == "ulysses-strict") return ulysses(sz, len, rank);
-  if (s == "ring") return ring(sz, len, rank);
-  if (s == "allgather" || s == "allgather-kv") return allgather(sz, len, rank);
-  if (s.rfind("hybrid:", 0) == 0) {
-    const std::string dims = s.substr(7);
-    const auto x = dims.find('x');
-    int U = 0, R = 0;
-    if (x == std::string::npos ||
-        std::from_chars(dims.data(), dims.data() + x, U).ptr != dims.data() + x ||
-        std::from_chars(dims.data() + x + 1, dims.data() + dims.size(), R).ptr !=
-            dims.data() + dims.size() ||
-        U <= 0 || R <= 0 || U * R != ranks)
-      throw InvalidArgument("parallel",
-                            "parallel: '" + std::string(spec) +
-                                "' is not hybrid:UxR with U * R == " + std::to_string(ranks));
-    const int g = rank / U, u = rank % U;
-    // Ulysses inside group g (its members' shards), then the ring over the groups' rows with
-    // this rank's head block.
-    std::vector<i64> members(len.begin() + g * U, len.begin() + (g + 1) * U), groups;
-    for (int q = 0; q < R; ++q) {
-      i64 rows = 0;
-      for (int m = 0; m < U; ++m) rows += len[std::size_t(q * U + m)];
-      groups.push_back(rows);
-    }
-    const parallel::HeadSplit hs = parallel::split_heads(sz.hq, sz.hkv, U);
-    Sizes inner = sz;
-    inner.hq = hs.q_count[std::size_t(u)];
-    inner.hkv = hs.kv_count[std::size_t(u)];
-    const i64 ring_bytes = inner.hq > 0 ? ring(inner, groups, g) : 0;
-    return ulysses(sz, members, u) + ring_bytes;
+  const parallel::StrategySpec parsed = parallel::parse_strategy(spec);
+  switch (parsed.kind) {
+    case parallel::StrategyKind::none:
+      return 0;
+    case parallel::StrategyKind::ulysses:
+    case parallel::StrategyKind::ulysses_strict:
+      return ulysses(sz, len, rank);
+    case parallel::StrategyKind::ring:
+      return ring(sz, len, rank);
+    case parallel::StrategyKind::allgather:
+      return allgather(sz, len, rank);
+    case parallel::StrategyKind::hybrid:
+      break;
   }
-  throw InvalidArgument("parallel", "parallel: '" + std::string(spec) +
-                                        "' is not a strategy; valid: none, ulysses, "
-                                        "ulysses-strict, ring, allgather, hybrid:UxR");
+  const int U = parsed.ulysses, R = parsed.ring;
+  if (U * R != ranks)
+    throw InvalidArgument("parallel", "parallel: hybrid " + std::to_string(U) + "x" +
+                                          std::to_string(R) + " needs " + std::to_string(U) +
+                                          " * " + std::to_string(R) +
+                                          " == " + std::to_string(ranks) + " ranks");
+  const int g = rank / U, u = rank % U;
+  // Ulysses inside group g (its members' shards), then the ring over the groups' rows with
+  // this rank's head block.
+  std::vector<i64> members(len.begin() + g * U, len.begin() + (g + 1) * U), groups;
+  for (int q = 0; q < R; ++q) {
+    i64 rows = 0;
+    for (int m = 0; m < U; ++m) rows += len[std::size_t(q * U + m)];
+    groups.push_back(rows);
+  }
+  const parallel::HeadSplit hs = parallel::split_heads(sz.hq, sz.hkv, U);
+  Sizes inner = sz;
+  inner.hq = hs.q_count[std::size_t(u)];
+  inner.hkv = hs.kv_count[std::size_t(u)];
+  const i64 ring_bytes = inner.hq > 0 ? ring(inner, groups, g) : 0;
+  return ulysses(sz, members, u) + ring_bytes;
 }
 
 }  // namespace dattn

@@ -49,15 +49,7 @@ void UlyssesParallel::forward(const AttentionInputs& inputs, const ParallelConte
   std::vector<i64> header(parallel::kHeaderSize, 0);
   try {
     s = parallel::read_shard(inputs, ctx);
-    if (meta.attn_mask && meta.attn_mask->ndim() == 2) {
-      const TensorView& m = *meta.attn_mask;
-      if (m.dtype() != DType::Bool || m.size(0) != s.batch || m.size(1) != s.skv)
-        throw InvalidArgument("attn_mask", "attn_mask: a 2-D mask under " + who +
-                                               " is this rank's bool key mask [" +
-                                               std::to_string(s.batch) + ", " +
-                                               std::to_string(s.skv) + "], got " + m.describe());
-      key_mask = true;
-    }
+    key_mask = parallel::rank_key_mask(meta, s, who);
     if (strict_ && (s.hq % P != 0 || s.hkv % P != 0))
       throw InvalidArgument("num_heads", "num_heads: strict Ulysses needs num_heads (" +
                                              std::to_string(s.hq) + ") and num_kv_heads (" +
@@ -88,11 +80,9 @@ void UlyssesParallel::forward(const AttentionInputs& inputs, const ParallelConte
     error = std::current_exception();
   }
   if (verdict_ != comm_ || error) parallel::agree(*verdict_, error);
-  const std::vector<i64>& lq = lengths.q;
-  const std::vector<i64>& lkv = lengths.kv;
-  const std::vector<i64> offq = parallel::exclusive_offsets(lq),
-                         offkv = parallel::exclusive_offsets(lkv);
-  const i64 sq_all = offq.back(), skv_all = offkv.back();
+  const std::vector<i64>&lq = lengths.q, &lkv = lengths.kv;
+  const std::vector<i64>&offq = lengths.offq, &offkv = lengths.offkv;
+  const i64 sq_all = lengths.sq_all(), skv_all = lengths.skv_all();
   const parallel::HeadSplit hs = parallel::split_heads(s.hq, s.hkv, P);
   const i64 qh0 = hs.q_start[std::size_t(r)], qhn = hs.q_count[std::size_t(r)];
   const i64 kh0 = hs.kv_start[std::size_t(r)], khn = hs.kv_count[std::size_t(r)];
