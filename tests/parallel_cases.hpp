@@ -81,12 +81,7 @@ inline ParallelOutcome run_parallel_case(const std::shared_ptr<Communicator>& co
   const std::int32_t s32 = static_cast<std::int32_t>(S);
   const Tensor cu = int32_tensor({0, s32 / 3, s32 / 3, s32});  // one empty document
 
-  AttentionConfig config;
-  config.num_heads = c.heads;
-  config.num_kv_heads = c.kv_heads;
-  config.head_size = c.d;
-  config.causal = c.causal;
-  config.backend = c.backend;
+  const AttentionConfig config = layer_config(c.backend, c.heads, c.kv_heads, c.d, c.causal);
   AttentionMetadata whole;
   if (J > 0) {
     whole.joint_query = jq.view();

@@ -27,26 +27,6 @@ std::string shape_str(std::span<const i64> s) {
   throw InvalidArgument(field, field + ": " + msg);
 }
 
-// A view with a size-1 dim of stride 0 inserted at `dim`.
-TensorView unsqueezed(const TensorView& t, int dim) {
-  std::array<i64, TensorView::kMaxDims> shape{}, strides{};
-  int n = 0;
-  for (int i = 0; i <= t.ndim(); ++i) {
-    if (i == dim) {
-      shape[std::size_t(n)] = 1;
-      strides[std::size_t(n)] = 0;
-      ++n;
-    }
-    if (i < t.ndim()) {
-      shape[std::size_t(n)] = t.size(i);
-      strides[std::size_t(n)] = t.stride(i);
-      ++n;
-    }
-  }
-  return TensorView(t.data(), t.dtype(), std::span<const i64>(shape.data(), std::size_t(n)),
-                    std::span<const i64>(strides.data(), std::size_t(n)), t.platform());
-}
-
 // Size-1 dims get stride 0 so broadcasting never reads past them.
 TensorView broadcastable(TensorView t) {
   std::array<i64, TensorView::kMaxDims> shape{}, strides{};
@@ -56,24 +36,6 @@ TensorView broadcastable(TensorView t) {
   }
   return TensorView(t.data(), t.dtype(), std::span<const i64>(shape.data(), std::size_t(t.ndim())),
                     std::span<const i64>(strides.data(), std::size_t(t.ndim())), t.platform());
-}
-
-// Q/K/V/out (or joint tensors) in the layer's layout -> [B, S, H, D] view.
-TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field) {
-  switch (layout) {
-    case QkvLayout::BSHD:
-      if (t.ndim() != 4) invalid(field, "expected [B, S, H, D] (BSHD), got " + t.describe());
-      return t;
-    case QkvLayout::BHSD: {
-      if (t.ndim() != 4) invalid(field, "expected [B, H, S, D] (BHSD), got " + t.describe());
-      const std::array<int, 4> perm{0, 2, 1, 3};
-      return t.permuted(perm);
-    }
-    case QkvLayout::THD:
-      if (t.ndim() != 3) invalid(field, "expected [T, H, D] (THD), got " + t.describe());
-      return unsqueezed(t, 0);
-  }
-  return t;
 }
 
 void require_float(const TensorView& t, const std::string& field) {
@@ -165,6 +127,42 @@ struct JointViews {
 };
 
 }  // namespace
+
+TensorView unsqueezed(const TensorView& t, int dim) {
+  std::array<i64, TensorView::kMaxDims> shape{}, strides{};
+  int n = 0;
+  for (int i = 0; i <= t.ndim(); ++i) {
+    if (i == dim) {
+      shape[std::size_t(n)] = 1;
+      strides[std::size_t(n)] = 0;
+      ++n;
+    }
+    if (i < t.ndim()) {
+      shape[std::size_t(n)] = t.size(i);
+      strides[std::size_t(n)] = t.stride(i);
+      ++n;
+    }
+  }
+  return TensorView(t.data(), t.dtype(), std::span<const i64>(shape.data(), std::size_t(n)),
+                    std::span<const i64>(strides.data(), std::size_t(n)), t.platform());
+}
+
+TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field) {
+  switch (layout) {
+    case QkvLayout::BSHD:
+      if (t.ndim() != 4) invalid(field, "expected [B, S, H, D] (BSHD), got " + t.describe());
+      return t;
+    case QkvLayout::BHSD: {
+      if (t.ndim() != 4) invalid(field, "expected [B, H, S, D] (BHSD), got " + t.describe());
+      const std::array<int, 4> perm{0, 2, 1, 3};
+      return t.permuted(perm);
+    }
+    case QkvLayout::THD:
+      if (t.ndim() != 3) invalid(field, "expected [T, H, D] (THD), got " + t.describe());
+      return unsqueezed(t, 0);
+  }
+  return t;
+}
 
 PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i64 num_kv_heads,
                           const AttentionInputs& in, const PrepareOptions& options) {

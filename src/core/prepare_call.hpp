@@ -1,6 +1,7 @@
 // Validation of one call and its resolution into an AttentionProblem (the trusted struct).
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "dattn/attention.hpp"
@@ -21,6 +22,12 @@ struct PreparedCall {
   AttentionProblem problem;
   std::vector<Tensor> owned;  // merged key masks, when needed
 };
+
+// A view with a size-1 dim of stride 0 inserted at `dim`.
+TensorView unsqueezed(const TensorView& t, int dim);
+// Q/K/V/out (or joint tensors) in `layout` as a [B, S, H, D] view (BHSD permuted, THD with a
+// batch dim of 1 in front). Throws InvalidArgument naming `field` for a wrong rank.
+TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field);
 
 // Validates `in` against `config` (SPEC §1-§8, §13) and resolves it. Throws InvalidArgument or
 // Unsupported naming the field; never writes to the output buffers.

@@ -158,30 +158,6 @@ std::vector<i64> exclusive_offsets(std::span<const i64> lengths) {
   return off;
 }
 
-TensorView as_bshd(const TensorView& view, QkvLayout layout) {
-  switch (layout) {
-    case QkvLayout::BSHD:
-      return view;
-    case QkvLayout::BHSD: {
-      const std::array<int, 4> perm{0, 2, 1, 3};
-      return view.permuted(perm);
-    }
-    case QkvLayout::THD: {
-      const std::array<i64, 4> shape{1, view.size(0), view.size(1), view.size(2)};
-      const std::array<i64, 4> strides{0, view.stride(0), view.stride(1), view.stride(2)};
-      return TensorView(view.data(), view.dtype(), shape, strides, view.platform());
-    }
-  }
-  return view;
-}
-
-TensorView lse_as_bhs(const TensorView& view, QkvLayout layout) {
-  if (layout != QkvLayout::THD || view.ndim() != 2) return view;
-  const std::array<i64, 3> shape{1, view.size(0), view.size(1)};
-  const std::array<i64, 3> strides{0, view.stride(0), view.stride(1)};
-  return TensorView(view.data(), view.dtype(), shape, strides, view.platform());
-}
-
 void merge_partial(const TensorView& o, const TensorView& lse, const TensorView& part_o,
                    const TensorView& part_lse) {
   const i64 batch = o.size(0), rows = o.size(1), heads = o.size(2), width = o.size(3);

@@ -7,7 +7,6 @@
 #include <span>
 #include <vector>
 
-#include "dattn/backend.hpp"
 #include "dattn/communicator.hpp"
 #include "dattn/metadata.hpp"
 #include "dattn/tensor.hpp"
@@ -38,11 +37,6 @@ HeadSplit split_heads(i64 hq, i64 hkv, int ranks);
 
 // Start of each shard when the shards of `lengths` lie one after the other.
 std::vector<i64> exclusive_offsets(std::span<const i64> lengths);
-
-// `view` in layout `layout` as [B, S, H, E] (BHSD permuted, THD with a batch dim of 1 in front).
-TensorView as_bshd(const TensorView& view, QkvLayout layout);
-// An LSE view ([B, H, S], or [H, S] for THD) as [B, H, S].
-TensorView lse_as_bhs(const TensorView& view, QkvLayout layout);
 
 // Merges a partial result into an accumulator (SPEC §12): per (b, h, row)
 //   m = max(l, lb), l' = m + log(e^(l-m) + e^(lb-m)), o' = (e^(l-m) o + e^(lb-m) ob) / (...)

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/prepare_call.hpp"
 #include "dattn/backend.hpp"
 #include "dattn/errors.hpp"
 
@@ -22,13 +23,10 @@ std::string dims(std::initializer_list<i64> d) {
 }
 
 TensorView checked(const TensorView& t, QkvLayout layout, const char* field) {
-  const int want = layout == QkvLayout::THD ? 3 : 4;
-  if (t.ndim() != want)
-    invalid(field, "expected rank " + std::to_string(want) + " (" +
-                       std::string(qkv_layout_name(layout)) + "), got " + t.describe());
-  if (t.platform() != Platform::cpu)
+  const TensorView v = detail::to_bshd(t, layout, field);
+  if (v.platform() != Platform::cpu)
     throw Unsupported(field, std::string(field) + ": sequence parallelism runs on cpu tensors");
-  return as_bshd(t, layout);
+  return v;
 }
 
 void require_float(const TensorView& t, const char* field) {
@@ -104,7 +102,9 @@ Shard read_shard(const AttentionInputs& in, const ParallelContext& ctx) {
     invalid("out", "expected " + dims({s.batch, rows, s.hq, s.dv}) +
                        " (BSHD order, joint rows included), got " + s.out.describe());
   if (in.lse) {
-    const TensorView l = lse_as_bhs(*in.lse, ctx.layout);
+    const TensorView l = ctx.layout == QkvLayout::THD && in.lse->ndim() == 2
+                             ? detail::unsqueezed(*in.lse, 0)
+                             : *in.lse;
     if (l.dtype() != DType::F32 || l.ndim() != 3 || l.size(0) != s.batch || l.size(1) != s.hq ||
         l.size(2) != rows)
       invalid("lse", "expected f32 " + dims({s.batch, s.hq, rows}) + ", got " + in.lse->describe());

@@ -289,6 +289,23 @@ Measurement measurement_for(const Workload& workload, const MeasureOptions& opti
   return m;
 }
 
+void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const Attention& layer,
+              int threads, double seconds) {
+  const Workload& w = m.workload;
+  report.backend = ran.name();
+  report.selection = layer.selection().source;
+  report.workload = w.name;
+  report.layout = std::string(qkv_layout_name(w.layout()));
+  report.dtype = std::string(dtype_name(m.dtype));
+  report.threads = threads;
+  report.seed = m.seed;
+  report.reps = std::max(m.reps, 1);
+  report.shape = {w.batch,    w.query_rows, w.key_rows,  w.heads,
+                  w.kv_heads, w.head_size,  w.joint_rows};
+  report.seconds = seconds;
+  report.gflops = report.flops / seconds * 1e-9;
+}
+
 void fill_peak(RunReport& report, int threads, DType dtype) {
   const PeakGflops peak = measure_peak_gflops(threads);
   const bool half_precision = dtype != DType::F32 && peak.bf16_dot.has_value();
@@ -377,18 +394,7 @@ RunReport measure(const Measurement& m) {
       report.kv_rel_err = normwise_rel_err(out.view(), want.view());
     }
   }
-  report.backend = ran.name();
-  report.selection = layer.selection().source;
-  report.workload = workload.name;
-  report.layout = std::string(qkv_layout_name(workload.layout()));
-  report.dtype = std::string(dtype_name(m.dtype));
-  report.threads = threads;
-  report.seed = m.seed;
-  report.reps = std::max(m.reps, 1);
-  report.shape = {workload.batch,    workload.query_rows, workload.key_rows,  workload.heads,
-                  workload.kv_heads, workload.head_size,  workload.joint_rows};
-  report.seconds = seconds;
-  report.gflops = report.flops / seconds * 1e-9;
+  fill_run(report, m, ran, layer, threads, seconds);
   fill_peak(report, threads, m.dtype);
   return report;
 }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "commands.hpp"
+#include "dattn/attention.hpp"
 #include "dattn/dtype.hpp"
 #include "report.hpp"
 #include "workloads.hpp"
@@ -43,6 +44,10 @@ RunReport measure_prefix_reuse(const Measurement& m);
 // (run under mpirun) and takes its contiguous shard of the rows; rank 0's report covers the
 // group, the other ranks' is empty (nullopt).
 std::optional<RunReport> measure_parallel(const Measurement& m, const std::string& parallel);
+// The fields every timed run reports: what ran (`ran`, chosen as `layer` says), the workload
+// and options of `m`, the threads, and the best time with its GFLOP/s (`report.flops` set).
+void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const Attention& layer,
+              int threads, double seconds);
 // Peak and efficiency fields of `report` for `threads` threads and dtype `dtype`.
 void fill_peak(RunReport& report, int threads, DType dtype);
 // ||a - b|| / ||b|| over all elements of two tensors of one shape.

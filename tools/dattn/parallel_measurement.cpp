@@ -175,18 +175,7 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   report.dense_flops = report.flops;
   report.check = check;
   report.checked_against = "one process (" + ran.name() + ")";
-  report.backend = ran.name();
-  report.selection = layer.selection().source;
-  report.workload = w.name;
-  report.layout = std::string(qkv_layout_name(layout));
-  report.dtype = std::string(dtype_name(m.dtype));
-  report.threads = threads;
-  report.seed = m.seed;
-  report.reps = std::max(m.reps, 1);
-  report.shape = {w.batch,    w.query_rows, w.key_rows,  w.heads,
-                  w.kv_heads, w.head_size,  w.joint_rows};
-  report.seconds = seconds;
-  report.gflops = report.flops / seconds * 1e-9;
+  fill_run(report, m, ran, layer, threads, seconds);
   report.parallel = pconfig.parallel->name();
   report.ranks = P;
   ParallelTraffic t;
