@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "dattn/metadata.hpp"
@@ -18,8 +19,14 @@ float kv_quant_scale(float absmax, KvCacheDtype dtype);
 
 // Quantizes `src` [B, S, H, D] (float dtype, any strides) per (batch, 64-token block, head) and
 // writes the dequantized values into `dst` (f32, same shape). This is what a kernel reading a
-// quantized cache sees.
-void quantize_dequantize_kv(const TensorView& src, KvCacheDtype dtype, const TensorView& dst);
+// quantized cache sees. Throws InvalidArgument naming `field` when `src` holds an inf or NaN.
+void quantize_dequantize_kv(const TensorView& src, KvCacheDtype dtype, const TensorView& dst,
+                            const std::string& field);
+
+// Throws InvalidArgument naming `field` (and the element) when `src` [B, S, H, D] holds an
+// inf or NaN: one scale per block would turn its finite neighbours into NaN or zero.
+void require_finite_for_quantization(const TensorView& src, KvCacheDtype dtype,
+                                     const std::string& field);
 
 // K or V held as codes: `codes` [B, S, H, D] int8 or fp8 e4m3 (contiguous) and one scale per
 // (batch, block of kKvQuantBlockTokens tokens, head), scales[(b * blocks + s / 64) * H + h].
@@ -32,6 +39,7 @@ struct QuantizedKv {
     return scales[std::size_t((b * blocks + row / kKvQuantBlockTokens) * heads + h)];
   }
 };
-QuantizedKv quantize_kv(const TensorView& src, KvCacheDtype dtype);
+// Throws InvalidArgument naming `field` when `src` holds an inf or NaN.
+QuantizedKv quantize_kv(const TensorView& src, KvCacheDtype dtype, const std::string& field);
 
 }  // namespace dattn::detail

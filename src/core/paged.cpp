@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "core/kv_quant.hpp"
+#include "core/prepare_call.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -151,6 +152,14 @@ float paged_value(const TensorView& pages, const std::optional<TensorView>& scal
 
 void write_paged_kv(const PagedAttentionCall& call) {
   const std::int64_t bs = call.cache.k_pages.size(1);
+  // int8/fp8 pages share one scale per (page, head): an inf or NaN would poison its finite
+  // neighbours, so it is refused before anything is written.
+  for (const auto& [src, pages, field] : {std::tuple{&call.k_new, &call.cache.k_pages, "k_new"},
+                                          std::tuple{&call.v_new, &call.cache.v_pages, "v_new"}})
+    if (is_quantized_page_dtype(pages->dtype()))
+      detail::require_finite_for_quantization(
+          detail::unsqueezed(*src, 0),
+          pages->dtype() == DType::I8 ? KvCacheDtype::int8 : KvCacheDtype::fp8, field);
   for (const auto& [src, pages, scales] :
        {std::tuple{&call.k_new, &call.cache.k_pages, &call.cache.k_scales},
         std::tuple{&call.v_new, &call.cache.v_pages, &call.cache.v_scales}}) {

@@ -171,10 +171,16 @@ void merge_partial(const TensorView& o, const TensorView& lse, const TensorView&
       for (i64 s = 0; s < rows; ++s) {
         const i64 li = (b * heads + h) * rows + s;
         const float lb = pl[li];
-        if (lb == kNegInf) continue;
+        const float la = acc_l[li];
+        // A NaN side (a poisoned row: docs/semantics.md) makes the merged row NaN for good.
+        if (lb == kNegInf || std::isnan(la)) continue;
         float* dst = acc + ((b * rows + s) * heads + h) * width;
         const float* src = po + ((b * rows + s) * heads + h) * width;
-        const float la = acc_l[li];
+        if (std::isnan(lb)) {
+          std::fill(dst, dst + width, std::numeric_limits<float>::quiet_NaN());
+          acc_l[li] = lb;
+          continue;
+        }
         if (la == kNegInf) {
           std::copy(src, src + width, dst);
           acc_l[li] = lb;

@@ -40,7 +40,8 @@ std::vector<i64> exclusive_offsets(std::span<const i64> lengths);
 
 // Merges a partial result into an accumulator (SPEC §12): per (b, h, row)
 //   m = max(l, lb), l' = m + log(e^(l-m) + e^(lb-m)), o' = (e^(l-m) o + e^(lb-m) ob) / (...)
-// where a side with LSE -inf contributes nothing (both -inf stay (0, -inf)).
+// where a side with LSE -inf contributes nothing (both -inf stay (0, -inf)) and a side with
+// LSE NaN (a poisoned row) makes the merged row NaN with LSE NaN.
 // o, part_o: contiguous f32 [B, S, H, E]; lse, part_lse: contiguous f32 [B, H, S].
 void merge_partial(const TensorView& o, const TensorView& lse, const TensorView& part_o,
                    const TensorView& part_lse);

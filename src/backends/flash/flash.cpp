@@ -3,9 +3,9 @@
 // plan(): splits the problem's segments into work items (a block of query rows x the heads of
 // one GQA group, which share K/V tiles), splits key ranges when there are fewer items than
 // threads, and sizes the per-thread scratch.
-// run(): threads take work items; each packs its Q rows once (transposed, pre-scaled into log2
-// units), then walks the key tiles its rows can see (causal/piecewise limits are per-row key
-// prefixes; tiles past every row's limit are never visited, tiles a mask hides entirely are
+// run(): threads take work items; each packs its Q rows once (transposed, pre-scaled by the
+// softmax scale), then walks the key tiles its rows can see (causal/piecewise limits are per-row
+// key prefixes; tiles past every row's limit are never visited, tiles a mask hides entirely are
 // skipped), converting K and V tiles to f32 rows, and calls the ISA kernels for K.Q^T, the
 // softmax step and P.V; split items are merged by LSE at the end.
 #include "backends/flash/flash.hpp"
@@ -149,7 +149,7 @@ class Worker {
       : p_(p), plan_(plan), kk_(plan.kernels), quantized_(quantized) {
     // laser_input_scale f: (q / f)(k / f)(scale f^2) = q k scale and (v / f) f = v, exactly
     // for powers of two; in f32 nothing overflows, so the factor cancels out here.
-    qscale_ = static_cast<float>(p.softmax_scale * std::numbers::log2e);
+    qscale_ = static_cast<float>(p.softmax_scale);
   }
 
   void process(const WorkItem& w, const ThreadBuffers& buffers) const {
@@ -217,31 +217,37 @@ class Worker {
       write_row(s.o + r * s.ld_o, s.m[r], s.l[r], b, w.h0 + r / nq, w.q0 + r % nq);
   }
 
-  // Merges the split items of one query block, the LSE merge of SPEC §12 in log2 units:
-  // m = max m_s, l = sum l_s 2^(m_s - m), O = sum O_s 2^(m_s - m), written as O / l.
-  // `o` is scratch for dv floats.
+  // Merges the split items of one query block, the (O, LSE) merge of docs/semantics.md:
+  // m = max m_s, l = sum l_s e^(m_s - m), O = sum O_s e^(m_s - m), written as O / l. A part
+  // whose sum is NaN (it saw a NaN or +inf logit) makes the merged row NaN; parts that saw no
+  // key (l = 0) are left out. `o` is scratch for dv floats.
   void merge(const MergeGroup& g, float* o) const {
     const WorkItem& w = g.rows;
     const Segment& seg = p_.segments[w.segment];
     const i64 nq = w.q1 - w.q0, rows = nq * (w.h1 - w.h0), width = p_.dv + 2;
+    const auto part = [&](i64 sp, i64 r) {
+      return plan_.partials.data() + ((g.first_partial + sp) * plan_.partial_rows + r) * width;
+    };
     for (i64 r = 0; r < rows; ++r) {
       float m = kNegInf;
-      for (i64 sp = 0; sp < g.splits; ++sp)
-        m = std::max(m, plan_.partials[std::size_t(
-                            ((g.first_partial + sp) * plan_.partial_rows + r) * width + p_.dv)]);
-      float l = 0.0f;
+      bool poisoned = false;
+      for (i64 sp = 0; sp < g.splits; ++sp) {
+        const float* row = part(sp, r);
+        poisoned = poisoned || std::isnan(row[p_.dv + 1]);
+        if (row[p_.dv + 1] > 0.0f) m = std::max(m, row[p_.dv]);
+      }
+      float l = poisoned ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
       std::fill(o, o + p_.dv, 0.0f);
-      if (m != kNegInf) {
+      if (!poisoned && m != kNegInf) {
         for (i64 sp = 0; sp < g.splits; ++sp) {
-          const float* row =
-              plan_.partials.data() + ((g.first_partial + sp) * plan_.partial_rows + r) * width;
-          if (row[p_.dv + 1] == 0.0f) continue;
-          const float f = std::exp2(row[p_.dv] - m);
+          const float* row = part(sp, r);
+          if (!(row[p_.dv + 1] > 0.0f)) continue;
+          const float f = std::exp(row[p_.dv] - m);
           l += row[p_.dv + 1] * f;
           for (i64 e = 0; e < p_.dv; ++e) o[e] += row[e] * f;
         }
       }
-      write_row(o, m, l, seg.batch, w.h0 + r / nq, w.q0 + r % nq);
+      out_.finish(o, m, l, seg.batch, w.h0 + r / nq, w.q0 + r % nq);
     }
   }
 
@@ -317,7 +323,8 @@ class Worker {
   }
 
   // Sets the logits a row may not see to -inf (keys past its position limit, masked keys) and
-  // adds additive mask terms (in log2 units). A key-padding mask hides whole rows of S^T.
+  // adds additive mask terms (natural units, like the logits: a finite -FLT_MAX stays finite). A
+  // key-padding mask hides whole rows of S^T.
   void hide(const WorkItem& w, const Scratch& s, i64 b, i64 j0, i64 n, i64 rows,
             bool positions_partial) const {
     const i64 ld = s.ld_rows, nq = w.q1 - w.q0;
@@ -341,8 +348,7 @@ class Worker {
           if (bytes[base + jj * m.stride(3)] == 0) col[jj * ld] = kNegInf;
       } else {
         for (i64 jj = 0; jj < visible; ++jj)
-          col[jj * ld] += load_as_f32(m.data(), m.dtype(), base + jj * m.stride(3)) *
-                          std::numbers::log2e_v<float>;
+          col[jj * ld] += load_as_f32(m.data(), m.dtype(), base + jj * m.stride(3));
       }
     }
   }
@@ -372,12 +378,10 @@ class Worker {
     return true;
   }
 
-  // Writes O / l (zeros when l is 0: the row saw no key) and the LSE.
-  void write_row(const float* o_row, float m, float l, i64 b, i64 h, i64 i) const {
-    if (!(l > 0.0f))
-      out_.write_zero(b, h, i);
-    else
-      out_.write(o_row, 1.0f / l, m, l, b, h, i);
+  // Writes O / l and the LSE by the row rule of OutputRows::finish (zeros when the row saw no
+  // key, NaN when its inputs carried a NaN or inf where it looked).
+  void write_row(float* o_row, float m, float l, i64 b, i64 h, i64 i) const {
+    out_.finish(o_row, m, l, b, h, i);
   }
 
   void write_zero(i64 b, i64 h, i64 i) const { out_.write_zero(b, h, i); }
@@ -524,13 +528,13 @@ class FlashImpl final : public Impl {
     if (p.kv_cache_dtype == KvCacheDtype::unquantized) return run_with(base, p, nullptr);
     std::array<detail::QuantizedKv, 4> q;
     AttentionProblem qp = p;
-    q[0] = detail::quantize_kv(p.k, p.kv_cache_dtype);
-    q[1] = detail::quantize_kv(p.v, p.kv_cache_dtype);
+    q[0] = detail::quantize_kv(p.k, p.kv_cache_dtype, "key");
+    q[1] = detail::quantize_kv(p.v, p.kv_cache_dtype, "value");
     qp.k = q[0].codes.view();
     qp.v = q[1].codes.view();
     if (p.joint) {
-      q[2] = detail::quantize_kv(p.joint->k, p.kv_cache_dtype);
-      q[3] = detail::quantize_kv(p.joint->v, p.kv_cache_dtype);
+      q[2] = detail::quantize_kv(p.joint->k, p.kv_cache_dtype, "joint_key");
+      q[3] = detail::quantize_kv(p.joint->v, p.kv_cache_dtype, "joint_value");
       qp.joint->k = q[2].codes.view();
       qp.joint->v = q[3].codes.view();
     }

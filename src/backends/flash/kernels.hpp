@@ -7,9 +7,13 @@
 //
 // Layout contracts (all f32, row-major, strides in floats):
 //   K   [keys][d]        key rows of one tile, converted to f32
-//   QT  [d][rows_p]      query rows transposed, pre-scaled by softmax_scale * log2(e);
+//   QT  [d][rows_p]      query rows transposed, pre-scaled by softmax_scale;
 //                        rows_p a multiple of row_align, padding rows zero
-//   ST  [keys][rows_p]   logits in log2 units (-inf = hidden), then probabilities
+//   ST  [keys][rows_p]   logits in natural units (-inf = hidden; a dot product that is not
+//                        finite is stored as NaN), then probabilities
+//
+// Natural units, not log2 ones: a finite additive mask as low as -FLT_MAX (torch.finfo.min)
+// must stay finite, and scaling it by log2(e) would overflow to -inf (docs/semantics.md).
 //   V   [keys][dv]       value rows; dv a multiple of col_align
 //   O   [rows][dv]       running un-normalised output
 #pragma once
@@ -26,12 +30,14 @@ struct TileKernels {
   int row_align;  // query rows per S^T micro-tile (and softmax lane group)
   int col_align;  // output columns per P.V micro-tile
 
-  // ST = K . QT for `keys` keys and `rows_p` rows (rows_p % row_align == 0) over `d`.
+  // ST = K . QT for `keys` keys and `rows_p` rows (rows_p % row_align == 0) over `d`; an entry
+  // that is not finite becomes NaN.
   void (*qk)(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
              std::int64_t ldst, int keys, int rows_p, int d);
   // One online-softmax step over a tile: for every row r (a column of ST) updates the running
-  // max m[r] and sum l[r], turns the column into exp2(s - m_new) and sets alpha[r] =
-  // exp2(m_old - m_new), the factor that rescales the row's earlier output.
+  // max m[r] and sum l[r], turns the column into e^(s - m_new) and sets alpha[r] =
+  // e^(m_old - m_new), the factor that rescales the row's earlier output. A NaN or +inf logit
+  // makes l[r] NaN for good.
   void (*softmax_tile)(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
                        float* alpha);
   // O[r] = O[r] * alpha[r] + sum_j PT[j][r] V[j] for `rows` rows (dv % col_align == 0).

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <numbers>
+#include <optional>
 #include <vector>
 
 #include "backends/flash/kernels.hpp"
@@ -84,8 +85,24 @@ class OutputRows {
  public:
   OutputRows(const AttentionProblem& p, const TileKernels& kk) : p_(p), kk_(kk) {}
 
-  // out[b, i, h, :] = o_row * inv (rounded to out's dtype); LSE = m ln 2 + ln l, where m is the
-  // row's running max in log2 units and l its sum.
+  // The end of a row's online softmax: m is its running max (natural units), l its sum and
+  // o_row its un-normalised output. l NaN (a NaN or +inf logit it saw) or an output that is
+  // not finite (NaN or inf in a V row it attended) gives a NaN row with LSE NaN; l == 0 (it saw
+  // no key) gives zeros with LSE -inf; otherwise o_row / l. `inv` overrides 1 / l when the
+  // caller has already normalised o_row (pass 1).
+  void finish(float* o_row, float m, float l, std::int64_t b, std::int64_t h, std::int64_t i,
+              std::optional<float> inv = std::nullopt) const {
+    if (std::isnan(l)) return write_nan(b, h, i);
+    if (!(l > 0.0f)) return write_zero(b, h, i);
+    const float factor = inv.value_or(1.0f / l);
+    bool finite = std::isfinite(m) && std::isfinite(l);
+    for (std::int64_t e = 0; e < p_.dv; ++e) finite = finite && std::isfinite(o_row[e] * factor);
+    if (!finite) return write_nan(b, h, i);
+    write(o_row, factor, m, l, b, h, i);
+  }
+
+  // out[b, i, h, :] = o_row * inv (rounded to out's dtype); LSE = m + ln l, where m is the
+  // row's running max and l its sum.
   void write(const float* o_row, float inv, float m, float l, std::int64_t b, std::int64_t h,
              std::int64_t i) const {
     const TensorView& o = p_.out;
@@ -97,8 +114,17 @@ class OutputRows {
       for (std::int64_t e = 0; e < p_.dv; ++e)
         store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), o_row[e] * inv);
     }
-    if (p_.lse)
-      lse_at(b, h, i) = static_cast<float>((double(m) + std::log2(double(l))) * std::numbers::ln2);
+    if (p_.lse) lse_at(b, h, i) = static_cast<float>(double(m) + std::log(double(l)));
+  }
+
+  // A row whose inputs carried a NaN or inf where it looked: NaN everywhere, LSE NaN.
+  void write_nan(std::int64_t b, std::int64_t h, std::int64_t i) const {
+    const TensorView& o = p_.out;
+    const std::int64_t base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (std::int64_t e = 0; e < p_.dv; ++e)
+      store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), nan);
+    if (p_.lse) lse_at(b, h, i) = nan;
   }
 
   // A row that saw no key: zeros, LSE -inf.

@@ -92,7 +92,11 @@ class RowComputer {
     for (i64 e = 0; e < p_.d; ++e) qrow_[std::size_t(e)] = at4(*qr.view, b, qr.row, h, e) / f_;
     const i64 pos_q = seg.q_pos0 + (i - seg.q_begin);
     const i64 limit = p_.key_position_limit(pos_q);
+    // The row rule of docs/semantics.md: a visible logit that is NaN or +inf (or a dot product
+    // that is not finite: Q or K held an inf or NaN) poisons the row, and so does a value that
+    // is not finite in a V row it attends; -inf hides a key; no visible key gives zeros.
     double m = kNegInf;
+    bool poisoned = false;
     for (i64 j = seg.k_begin; j < seg.k_end; ++j) {
       double& s = logits_[std::size_t(j)];
       s = kNegInf;
@@ -103,8 +107,13 @@ class RowComputer {
       double dot = 0.0;
       for (i64 e = 0; e < p_.d; ++e)
         dot += qrow_[std::size_t(e)] * (at4(*kr.view, b, kr.row, hk, e) / f_);
-      s = scale_ * dot + bias;
-      m = std::max(m, s);
+      s = std::isfinite(dot) ? scale_ * dot + bias : std::numeric_limits<double>::quiet_NaN();
+      if (std::isnan(s) || s == -kNegInf) poisoned = true;
+      if (s > m) m = s;
+    }
+    if (poisoned) {
+      write_nan(b, i, h);
+      return;
     }
     if (m == kNegInf) {  // no visible key
       write(b, i, h, nullptr, 0.0, kNegInf);
@@ -121,7 +130,17 @@ class RowComputer {
       for (i64 e = 0; e < p_.dv; ++e)
         acc_[std::size_t(e)] += w * (at4(*vr.view, b, vr.row, hk, e) / f_);
     }
+    for (double x : acc_)
+      if (!std::isfinite(x)) {
+        write_nan(b, i, h);
+        return;
+      }
     write(b, i, h, acc_.data(), f_ / sum, m + std::log(sum));
+  }
+
+  void write_nan(i64 b, i64 i, i64 h) {
+    std::fill(acc_.begin(), acc_.end(), std::numeric_limits<double>::quiet_NaN());
+    write(b, i, h, acc_.data(), 1.0, std::numeric_limits<double>::quiet_NaN());
   }
 
   // Writes out[b, i, h, :] = acc * factor (zeros when acc is null) and the LSE.
@@ -172,9 +191,10 @@ std::vector<i64> rows_to_compute(const AttentionProblem& p) {
 // K and V through a quantized cache: each part (the caller's rows, the joint rows)
 // quantized per (batch, 64-token block, head) and dequantized, as a kernel reading such a
 // cache sees them.
-TensorView dequantized(const TensorView& t, KvCacheDtype dtype, std::vector<Tensor>& keep) {
+TensorView dequantized(const TensorView& t, KvCacheDtype dtype, const char* field,
+                       std::vector<Tensor>& keep) {
   Tensor out = Tensor::empty(t.shape(), DType::F32);
-  detail::quantize_dequantize_kv(t, dtype, out.view());
+  detail::quantize_dequantize_kv(t, dtype, out.view(), field);
   keep.push_back(out);
   return out.view();
 }
@@ -184,11 +204,11 @@ void compute_problem(const AttentionProblem& problem) {
   AttentionProblem p = problem;
   std::vector<Tensor> keep;
   if (p.kv_cache_dtype != KvCacheDtype::unquantized) {
-    p.k = dequantized(p.k, p.kv_cache_dtype, keep);
-    p.v = dequantized(p.v, p.kv_cache_dtype, keep);
+    p.k = dequantized(p.k, p.kv_cache_dtype, "key", keep);
+    p.v = dequantized(p.v, p.kv_cache_dtype, "value", keep);
     if (p.joint) {
-      p.joint->k = dequantized(p.joint->k, p.kv_cache_dtype, keep);
-      p.joint->v = dequantized(p.joint->v, p.kv_cache_dtype, keep);
+      p.joint->k = dequantized(p.joint->k, p.kv_cache_dtype, "joint_key", keep);
+      p.joint->v = dequantized(p.joint->v, p.kv_cache_dtype, "joint_value", keep);
     }
   }
   RowComputer rc(p);

@@ -234,9 +234,13 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
         score[n] = s;
       }
       std::iota(rank.begin(), rank.end(), 0);
+      // Highest score first, ties by block index; a NaN score (NaN or inf in the pooled Q or
+      // K) ranks below every number, so the order is strict and weak as partial_sort needs.
       std::partial_sort(rank.begin(), rank.begin() + k, rank.end(), [&](i64 a, i64 c) {
-        return score[std::size_t(a)] > score[std::size_t(c)] ||
-               (score[std::size_t(a)] == score[std::size_t(c)] && a < c);
+        const float sa = score[std::size_t(a)], sc = score[std::size_t(c)];
+        if (std::isnan(sa) != std::isnan(sc)) return std::isnan(sc);
+        if (sa != sc && !std::isnan(sa)) return sa > sc;
+        return a < c;
       });
       for (i64 n = 0; n < k; ++n)
         chosen[std::size_t(row * k + n)] =

@@ -255,19 +255,16 @@ struct Call {
 
     const bool gated = gate.has_value();
     if (gated) coarse(b, h, it.qblock, s.coarse);
+    const flash::OutputRows out(p, kk());
     for (i64 r = 0; r < nrows; ++r) {
       const i64 row = tiling.queries.order()[std::size_t(positions[r])];
-      if (!(s.l[r] > 0.0f)) {
-        write_zero(b, h, row);
-        continue;
-      }
       float* o_row = s.o + r * s.ld_o;
-      float inv = 1.0f / s.l[r];
-      if (gated) {
-        add_gated(b, h, row, inv, o_row, s.coarse);
-        inv = 1.0f;
+      if (gated && s.l[r] > 0.0f) {  // fine / l + gate * coarse, then written as it is
+        add_gated(b, h, row, 1.0f / s.l[r], o_row, s.coarse);
+        out.finish(o_row, s.m[r], s.l[r], b, h, row, 1.0f);
+      } else {
+        out.finish(o_row, s.m[r], s.l[r], b, h, row);
       }
-      write_row(o_row, inv, s.m[r], s.l[r], b, h, row);
     }
   }
 
@@ -318,9 +315,6 @@ struct Call {
       o_row[e] = o_row[e] * inv + load_as_f32(g.data(), g.dtype(), base + e * step) * c[e];
   }
 
-  void write_row(const float* o_row, float inv, float m, float l, i64 b, i64 h, i64 i) const {
-    flash::OutputRows(p, kk()).write(o_row, inv, m, l, b, h, i);
-  }
   void write_zero(i64 b, i64 h, i64 i) const { flash::OutputRows(p, kk()).write_zero(b, h, i); }
 };
 
@@ -378,7 +372,7 @@ class VideoSparseImpl final : public Impl {
     Call call{
         p,  plan, t,  map, pooled ? &*pooled : nullptr, o.gate, packed, packed + used_k * plan.ld_k,
         {}, {},   {}, 1.0f};
-    call.qscale = static_cast<float>(p.softmax_scale * std::numbers::log2e);
+    call.qscale = static_cast<float>(p.softmax_scale);
     const auto& qblocks = t.queries.blocks();
     const auto& kblocks = t.keys.blocks();
     for (i64 b = 0; b < p.batch; ++b) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numbers>
 
 #include "backends/flash/kernels.hpp"
 
@@ -34,11 +35,12 @@ struct Vec {
     return _mm256_andnot_ps(is_neg_inf, x);
   }
   // 2^x for x <= 0: 2^n * p(f), n = round(x), f in [-1/2, 1/2], p the degree-6 Taylor
-  // polynomial of e^(f ln 2) (relative error < 2e-7); x < -126 (and -inf) gives 0.
+  // polynomial of e^(f ln 2) (relative error < 2e-7); x < -126 (and -inf) gives 0, NaN stays
+  // NaN (vmaxps returns its second operand when one is NaN, so x goes second).
   static reg exp2_nonpositive(reg x) {
     const reg lowest = _mm256_set1_ps(-126.0f);
     const reg hidden = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lowest);
+    x = _mm256_max_ps(lowest, x);
     const reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = _mm256_sub_ps(x, n);
     reg p = _mm256_set1_ps(1.5403530393381606e-4f);

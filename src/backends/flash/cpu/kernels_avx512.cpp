@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numbers>
 
 #include "backends/flash/kernels.hpp"
 
@@ -36,11 +37,12 @@ struct Vec {
         _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_ps(is_neg_inf, x, _mm512_setzero_ps());
   }
-  // As in the AVX2 kernels, with vscalefps applying 2^n.
+  // As in the AVX2 kernels, with vscalefps applying 2^n; NaN stays NaN (not-less-than is true
+  // for NaN, and vmaxps returns its second operand, x, when one is NaN).
   static reg exp2_nonpositive(reg x) {
     const reg lowest = _mm512_set1_ps(-126.0f);
-    const __mmask16 visible = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lowest);
+    const __mmask16 visible = _mm512_cmp_ps_mask(x, lowest, _CMP_NLT_UQ);
+    x = _mm512_max_ps(lowest, x);
     const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = _mm512_sub_ps(x, n);
     reg p = _mm512_set1_ps(1.5403530393381606e-4f);

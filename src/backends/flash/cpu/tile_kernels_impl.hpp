@@ -4,7 +4,7 @@
 //
 // V provides: reg, W (lanes), zero(), set1(f), load(p), store(p, r), fma(a, b, c) = a*b + c,
 // mul, add, sub, max, select_zero_if_neg_inf(x) (0 where x == -inf, else x),
-// exp2_nonpositive(r) (2^x for x <= 0; x < -126 and -inf give 0), load_bf16(p) /
+// exp2_nonpositive(r) (2^x for x <= 0; x < -126 and -inf give 0, NaN stays NaN), load_bf16(p) /
 // load_f16(p) converting W 16-bit values, and store_bf16(p, r) / store_f16(p, r) rounding to
 // nearest even (NaN stays NaN).
 
@@ -25,10 +25,14 @@ inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int6
       acc[m][1] = V::fma(kb, q1, acc[m][1]);
     }
   }
+  // A logit that is not finite (the dot product overflowed f32, or Q or K held an inf or NaN)
+  // becomes NaN: x * 0 + x is x for every finite x and NaN for +-inf, so an overflow can never
+  // pass for a hidden key (-inf) and poisons its row instead (docs/semantics.md).
+  const R zero = V::zero();
 #pragma GCC unroll 8
   for (int m = 0; m < MK; ++m) {
-    V::store(st + m * ldst, acc[m][0]);
-    V::store(st + m * ldst + V::W, acc[m][1]);
+    V::store(st + m * ldst, V::fma(acc[m][0], zero, acc[m][0]));
+    V::store(st + m * ldst + V::W, V::fma(acc[m][1], zero, acc[m][1]));
   }
 }
 
@@ -68,6 +72,9 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
                   float* alpha) {
   using R = typename V::reg;
   const R neg_inf = V::set1(-std::numeric_limits<float>::infinity());
+  // Logits are in natural units; e^x = 2^(x log2 e) with the difference taken first, so that
+  // finite logits as large as a mask's -3.4e38 never overflow on the way.
+  const R log2e = V::set1(std::numbers::log2e_v<float>);
   for (int r = 0; r < rows_p; r += V::W) {
     R mx0 = neg_inf, mx1 = neg_inf;
     int j = 0;
@@ -79,9 +86,11 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
     const R m_old = V::load(m + r);
     const R m_new = V::max(m_old, V::max(mx0, mx1));
     // A row that has seen nothing keeps m = -inf; subtracting 0 instead keeps its
-    // probabilities at exp2(-inf) = 0 rather than NaN.
+    // probabilities at e^-inf = 0 rather than NaN. A NaN logit gives a NaN probability
+    // (exp2_nonpositive keeps NaN), and a +inf one gives inf - inf = NaN: either way the row's
+    // sum l turns NaN and stays NaN, which the row writer reports as a NaN row.
     const R m_use = V::select_zero_if_neg_inf(m_new);
-    V::store(alpha + r, V::exp2_nonpositive(V::sub(m_old, m_use)));
+    V::store(alpha + r, V::exp2_nonpositive(V::mul(V::sub(m_old, m_use), log2e)));
     V::store(m + r, m_new);
     R sum0 = V::zero(), sum1 = V::zero();
     j = 0;
@@ -89,8 +98,8 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
     for (; j + 2 <= keys; j += 2) {
       float* s0 = st + j * ldst + r;
       float* s1 = s0 + ldst;
-      const R p0 = V::exp2_nonpositive(V::sub(V::load(s0), m_use));
-      const R p1 = V::exp2_nonpositive(V::sub(V::load(s1), m_use));
+      const R p0 = V::exp2_nonpositive(V::mul(V::sub(V::load(s0), m_use), log2e));
+      const R p1 = V::exp2_nonpositive(V::mul(V::sub(V::load(s1), m_use), log2e));
       V::store(s0, p0);
       V::store(s1, p1);
       sum0 = V::add(sum0, p0);
@@ -98,7 +107,7 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
     }
     if (j < keys) {
       float* s0 = st + j * ldst + r;
-      const R p0 = V::exp2_nonpositive(V::sub(V::load(s0), m_use));
+      const R p0 = V::exp2_nonpositive(V::mul(V::sub(V::load(s0), m_use), log2e));
       V::store(s0, p0);
       sum0 = V::add(sum0, p0);
     }
