@@ -9,16 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "dattn/inputs.hpp"
 #include "dattn/metadata.hpp"
 #include "dattn/paged.hpp"
 #include "dattn/problem.hpp"
 #include "dattn/tensor.hpp"
 
 namespace dattn {
-
-enum class QkvLayout : std::uint8_t { BSHD, BHSD, THD };
-QkvLayout parse_qkv_layout(std::string_view s);  // throws InvalidArgument
-std::string_view qkv_layout_name(QkvLayout l);
 
 // The seed's AttentionImpl.__init__ arguments.
 struct ImplConfig {

@@ -13,20 +13,11 @@
 #include <string_view>
 
 #include "dattn/communicator.hpp"
+#include "dattn/inputs.hpp"
 #include "dattn/metadata.hpp"
 #include "dattn/tensor.hpp"
 
 namespace dattn {
-
-enum class QkvLayout : std::uint8_t;
-
-// The inputs of one call as the caller passed them (layout of the layer's qkv_layout).
-struct AttentionInputs {
-  TensorView q, k, v;
-  const AttentionMetadata* metadata = nullptr;
-  TensorView out;
-  std::optional<TensorView> lse;
-};
 
 // What a strategy knows of the layer.
 struct ParallelContext {

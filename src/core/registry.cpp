@@ -4,9 +4,7 @@
 #include <cctype>
 #include <cstdlib>
 
-#include "backends/flash/flash.hpp"
-#include "backends/reference/reference.hpp"
-#include "backends/sparse/video_sparse.hpp"
+#include "core/builtin_backends.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -27,9 +25,7 @@ std::string Selection::to_string() const {
 Registry& Registry::global() {
   static Registry* registry = [] {
     auto* r = new Registry();
-    r->add(make_flash_backend());
-    r->add(make_reference_backend());
-    r->add(make_video_sparse_backend());
+    register_builtin_backends(*r);
     return r;
   }();
   return *registry;
