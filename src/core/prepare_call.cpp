@@ -128,25 +128,6 @@ struct JointViews {
 
 }  // namespace
 
-TensorView unsqueezed(const TensorView& t, int dim) {
-  std::array<i64, TensorView::kMaxDims> shape{}, strides{};
-  int n = 0;
-  for (int i = 0; i <= t.ndim(); ++i) {
-    if (i == dim) {
-      shape[std::size_t(n)] = 1;
-      strides[std::size_t(n)] = 0;
-      ++n;
-    }
-    if (i < t.ndim()) {
-      shape[std::size_t(n)] = t.size(i);
-      strides[std::size_t(n)] = t.stride(i);
-      ++n;
-    }
-  }
-  return TensorView(t.data(), t.dtype(), std::span<const i64>(shape.data(), std::size_t(n)),
-                    std::span<const i64>(strides.data(), std::size_t(n)), t.platform());
-}
-
 TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field) {
   switch (layout) {
     case QkvLayout::BSHD:
@@ -159,7 +140,7 @@ TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& fie
     }
     case QkvLayout::THD:
       if (t.ndim() != 3) invalid(field, "expected [T, H, D] (THD), got " + t.describe());
-      return unsqueezed(t, 0);
+      return t.unsqueezed(0);
   }
   return t;
 }
@@ -285,7 +266,7 @@ Outputs check_outputs(const AttentionInputs& in, QkvLayout layout, const Qkv& t,
   if (out.platform() != t.q.platform()) invalid("out", "lives on a different platform than query");
   if (in.lse) {
     TensorView l = *in.lse;
-    if (layout == QkvLayout::THD && l.ndim() == 2) l = unsqueezed(l, 0);
+    if (layout == QkvLayout::THD && l.ndim() == 2) l = l.unsqueezed(0);
     if (l.dtype() != DType::F32)
       invalid("lse", "dtype " + std::string(dtype_name(l.dtype())) + " is not valid; valid: f32");
     if (l.ndim() != 3 || l.size(0) != t.batch || l.size(1) != t.hq || l.size(2) != sq)
@@ -325,7 +306,7 @@ Masks check_masks(const AttentionMetadata& meta, const Qkv& t, i64 J, i64 sq, i6
                                  std::to_string(t.skv_local) + "], got " + m.describe());
       masks.keep_keys_local = m;
     } else if (m.ndim() == 3 || m.ndim() == 4) {
-      const TensorView m4 = broadcastable(m.ndim() == 3 ? unsqueezed(m, 1) : m);
+      const TensorView m4 = broadcastable(m.ndim() == 3 ? m.unsqueezed(1) : m);
       if (!(m4.dtype() == DType::Bool || is_float_input_dtype(m4.dtype())))
         invalid("attn_mask", "dtype " + std::string(dtype_name(m4.dtype())) +
                                  " is not valid; valid: bool (keep) or f32/bf16/f16 (additive)");

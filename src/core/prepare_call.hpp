@@ -23,8 +23,6 @@ struct PreparedCall {
   std::vector<Tensor> owned;  // merged key masks, when needed
 };
 
-// A view with a size-1 dim of stride 0 inserted at `dim`.
-TensorView unsqueezed(const TensorView& t, int dim);
 // Q/K/V/out (or joint tensors) in `layout` as a [B, S, H, D] view (BHSD permuted, THD with a
 // batch dim of 1 in front). Throws InvalidArgument naming `field` for a wrong rank.
 TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field);

@@ -27,9 +27,7 @@ using i64 = std::int64_t;
 // `view` as [B, S, H, E]: BSHD as it is, THD with a batch dim of 1 in front.
 TensorView as_bshd(const TensorView& view, QkvLayout layout) {
   if (layout != QkvLayout::THD) return view;
-  const std::array<i64, 4> shape{1, view.size(0), view.size(1), view.size(2)};
-  const std::array<i64, 4> strides{0, view.stride(0), view.stride(1), view.stride(2)};
-  return TensorView(view.data(), view.dtype(), shape, strides, view.platform());
+  return view.unsqueezed(0);
 }
 
 // Up to `count` of the rows [0, rows), spread evenly, the first and the last included.

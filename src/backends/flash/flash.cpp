@@ -487,9 +487,7 @@ class FlashImpl final : public Impl {
 
     AttentionProblem p;
     const auto as_batch = [](const TensorView& t) {  // [T, H, E] -> [1, T, H, E]
-      const std::array<i64, 4> shape{1, t.size(0), t.size(1), t.size(2)};
-      const std::array<i64, 4> strides{0, t.stride(0), t.stride(1), t.stride(2)};
-      return TensorView(t.data(), t.dtype(), shape, strides, t.platform());
+      return t.unsqueezed(0);
     };
     p.batch = 1;
     p.sq = t0;
