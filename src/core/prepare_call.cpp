@@ -50,18 +50,6 @@ void require_host(const TensorView& t, const std::string& field) {
                                  std::string(platform_name(t.platform())));
 }
 
-// Reads a 1-D int32 tensor (cu_seqlens) after checking it.
-std::vector<i64> read_int32_vector(const TensorView& t, const std::string& field) {
-  if (t.dtype() != DType::I32)
-    invalid(field, "dtype " + std::string(dtype_name(t.dtype())) + " is not valid; valid: i32");
-  if (t.ndim() != 1) invalid(field, "expected a 1-D tensor, got " + t.describe());
-  require_host(t, field);
-  std::vector<i64> out(std::size_t(t.size(0)));
-  const auto* p = static_cast<const std::int32_t*>(t.data());
-  for (i64 i = 0; i < t.size(0); ++i) out[std::size_t(i)] = p[i * t.stride(0)];
-  return out;
-}
-
 std::string vec_str(const std::vector<i64>& v) {
   return shape_str(std::span<const i64>(v.data(), v.size()));
 }
@@ -127,6 +115,17 @@ struct JointViews {
 };
 
 }  // namespace
+
+std::vector<i64> read_int32_vector(const TensorView& t, const std::string& field) {
+  if (t.dtype() != DType::I32)
+    invalid(field, "dtype " + std::string(dtype_name(t.dtype())) + " is not valid; valid: i32");
+  if (t.ndim() != 1) invalid(field, "expected a 1-D tensor, got " + t.describe());
+  require_host(t, field);
+  std::vector<i64> out(std::size_t(t.size(0)));
+  const auto* p = static_cast<const std::int32_t*>(t.data());
+  for (i64 i = 0; i < t.size(0); ++i) out[std::size_t(i)] = p[i * t.stride(0)];
+  return out;
+}
 
 TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field) {
   switch (layout) {
