@@ -50,20 +50,28 @@ void require_host(const TensorView& t, const std::string& field) {
                                  std::string(platform_name(t.platform())));
 }
 
+// A vector for an error message: whole when short, else its first entries and its length (a
+// message never grows with the input).
 std::string vec_str(const std::vector<i64>& v) {
-  return shape_str(std::span<const i64>(v.data(), v.size()));
+  constexpr std::size_t kWhole = 8, kHead = 4;
+  if (v.size() <= kWhole) return shape_str(std::span<const i64>(v.data(), v.size()));
+  std::string s = shape_str(std::span<const i64>(v.data(), kHead));
+  s.pop_back();
+  return s + ", ...] (" + std::to_string(v.size()) + " entries)";
 }
 
 // Checks cu_seqlens against the packed length; returns the largest document length.
 i64 check_cu_seqlens(const std::vector<i64>& cu, i64 total, const std::string& field) {
   if (cu.empty()) invalid(field, "needs at least one entry ([0]); got none");
-  if (cu.front() != 0) invalid(field, "must start at 0, got " + vec_str(cu));
+  if (cu.front() != 0)
+    invalid(field,
+            "must start at 0, but entry 0 is " + std::to_string(cu.front()) + " in " + vec_str(cu));
   i64 longest = 0;
   for (std::size_t i = 1; i < cu.size(); ++i) {
     if (cu[i] < cu[i - 1])
       invalid(field, "must be non-decreasing, but entry " + std::to_string(i) + " (" +
                          std::to_string(cu[i]) + ") < entry " + std::to_string(i - 1) + " (" +
-                         std::to_string(cu[i - 1]) + ") in " + vec_str(cu));
+                         std::to_string(cu[i - 1]) + ")");
     longest = std::max(longest, cu[i] - cu[i - 1]);
   }
   if (cu.back() != total)
