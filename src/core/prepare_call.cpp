@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/video_layout.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn::detail {
@@ -442,7 +443,24 @@ void check_valid_kv_length(const Extra& extra, i64 skv_local) {
                                    " must satisfy 0 < v <= Skv = " + std::to_string(skv_local));
 }
 
-// ---- positions: global starts and query ranges (SPEC §2, §7) ----
+// ---- positions: global starts and query ranges (SPEC §2, §7), all below kMaxPosition ----
+// Whether rows at [start, start + rows) stay below kMaxPosition (rows >= 0: no overflow).
+bool positions_fit(i64 start, i64 rows) {
+  return start < kMaxPosition && start <= kMaxPosition - rows;
+}
+
+const std::string kPositionBound = "2^62 (kMaxPosition)";
+
+// The position of key row 0.
+i64 check_k_global_start(const AttentionMetadata& meta, i64 skv) {
+  const i64 k_pos0 = meta.k_global_start.value_or(0);
+  if (k_pos0 < 0) invalid("k_global_start", "= " + std::to_string(k_pos0) + " must be >= 0");
+  if (!positions_fit(k_pos0, skv))
+    invalid("k_global_start", "= " + std::to_string(k_pos0) + " puts the " + std::to_string(skv) +
+                                  " key rows past position " + kPositionBound);
+  return k_pos0;
+}
+
 // The query ranges of the call (one range from q_global_start, or its default, when none).
 std::vector<QueryRange> check_query_positions(const AttentionMetadata& meta, i64 sq, i64 skv) {
   std::vector<QueryRange> ranges;
@@ -459,6 +477,11 @@ std::vector<QueryRange> check_query_positions(const AttentionMetadata& meta, i64
                     std::to_string(r.local_end) + ", " + std::to_string(r.global_start) +
                     ") breaks the tiling: ranges must cover local rows 0.." + std::to_string(sq) +
                     " contiguously with global_start >= 0");
+      if (!positions_fit(r.global_start, r.local_end - r.local_start))
+        invalid("query_ranges",
+                "range " + std::to_string(i) + " (" + std::to_string(r.local_start) + ", " +
+                    std::to_string(r.local_end) + ", " + std::to_string(r.global_start) +
+                    ") ends past position " + kPositionBound);
       expect = r.local_end;
     }
     if (expect != sq)
@@ -468,6 +491,9 @@ std::vector<QueryRange> check_query_positions(const AttentionMetadata& meta, i64
     const i64 q_pos0 = meta.q_global_start.value_or(skv - sq);
     if (meta.q_global_start && q_pos0 < 0)
       invalid("q_global_start", "= " + std::to_string(q_pos0) + " must be >= 0");
+    if (meta.q_global_start && !positions_fit(q_pos0, sq))
+      invalid("q_global_start", "= " + std::to_string(q_pos0) + " puts the " + std::to_string(sq) +
+                                    " query rows past position " + kPositionBound);
     ranges.push_back({0, sq, q_pos0});
   }
   return ranges;
@@ -485,6 +511,7 @@ void check_full_attn_spans(const AttentionMetadata& meta, const AttentionConfig&
   if (static_cast<i64>(spans.size()) != batch)
     invalid("full_attn_spans", "has " + std::to_string(spans.size()) + " lists; one per sample (" +
                                    std::to_string(batch) + ") is needed");
+  // At most kMaxPosition: the starts and ranges were checked.
   i64 global_end = k_pos0 + skv;
   for (const QueryRange& r : ranges)
     global_end = std::max(global_end, r.global_start + (r.local_end - r.local_start));
@@ -627,12 +654,15 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
   check_valid_kv_length(extra, t.skv_local);
   if (extra.valid_kv_length) p.features.add(Feature::prefix_kv_slicing);
 
-  const i64 k_pos0 = meta.k_global_start.value_or(0);
-  if (k_pos0 < 0) invalid("k_global_start", "= " + std::to_string(k_pos0) + " must be >= 0");
+  const i64 k_pos0 = check_k_global_start(meta, skv);
   const std::vector<QueryRange> ranges = check_query_positions(meta, sq, skv);
   check_full_attn_spans(meta, config, ranges, t.batch, k_pos0, skv, p);
   if (p.position_rule != PositionRule::full) p.features.add(Feature::causal);
   check_laser_input_scale(extra, p);
+  // Dense backends ignore the layout but still reject one whose arithmetic overflows; its
+  // readers check the rest (VideoTiling::build).
+  if (meta.video_layout)
+    validate_video_layout(*meta.video_layout, sq, VideoLayoutRules::arithmetic);
 
   // ---- the problem: shapes, joint rows, merged masks ----
   p.batch = t.batch;
