@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/threads.hpp"
 #include "core/video_layout.hpp"
 #include "dattn/errors.hpp"
 
@@ -115,6 +116,7 @@ std::uint64_t problem_signature(const AttentionProblem& p) {
       h = mix(h, std::uint64_t(v));
   h = mix(h, std::bit_cast<std::uint64_t>(p.laser_input_scale));
   h = mix(h, std::uint64_t(p.kv_cache_dtype));
+  h = mix(h, std::uint64_t(p.threads));
   return h;
 }
 
@@ -677,6 +679,7 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
   p.lse = outputs.lse;
   p.kv_cache_dtype = extra.kv_cache_dtype.value_or(config.kv_cache_dtype);
   p.backend_options = &extra.backend;
+  p.threads = calling_threads();
   if (meta.video_layout) p.video_layout = &*meta.video_layout;
   if (outputs.lse) p.features.add(Feature::lse_output);
 

@@ -16,6 +16,7 @@
 #include "block_map_png.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/threads.hpp"
 #include "dattn/video_sparse.hpp"
 
 namespace dattn::cli {
@@ -202,8 +203,10 @@ void print_workloads(std::ostream& os) {
 }
 
 void add_measure_options(CLI::App& command, MeasureOptions& options) {
-  command.add_option("--threads,-t", options.threads, "OpenMP threads (default: OpenMP's)")
-      ->check(CLI::PositiveNumber);
+  command
+      .add_option("--threads,-t", options.threads,
+                  "OpenMP threads, 1 to " + std::to_string(kMaxThreads) + " (default: OpenMP's)")
+      ->check(CLI::Range(1, kMaxThreads));
   command
       .add_option("--heads", options.heads,
                   "Override the query head count (KV heads keep the GQA ratio)")

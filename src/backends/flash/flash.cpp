@@ -28,6 +28,7 @@
 #include "backends/flash/tile_plan.hpp"
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
+#include "core/threads.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/paged.hpp"
 
@@ -413,7 +414,7 @@ class FlashImpl final : public Impl {
     const i64 group = p.group_size();
     plan->block = row_block(group);
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
-    plan->threads = omp_get_max_threads();
+    plan->threads = std::max(p.threads, 1);
     // Items that read the same K/V (one segment, one KV head) are consecutive, so the threads
     // working through them find that K/V in the shared cache.
     for (std::size_t si = 0; si < p.segments.size(); ++si) {
@@ -489,6 +490,7 @@ class FlashImpl final : public Impl {
     const auto as_batch = [](const TensorView& t) {  // [T, H, E] -> [1, T, H, E]
       return t.unsqueezed(0);
     };
+    p.threads = detail::calling_threads();
     p.batch = 1;
     p.sq = t0;
     p.hq = c.num_heads;
