@@ -69,6 +69,16 @@ if(NOT rel_err_type STREQUAL "NUMBER" OR NOT max_rel_err LESS 1e-3)
 endif()
 message(STATUS "dattn run --json: ${RUN_OUT}")
 
+# ---- --threads above the limit (1024): a usage error naming it, not a crash in OpenMP ----
+foreach(command run bench info)
+  run_dattn(THREADS ${command} --threads 100000)
+  expect_failure(THREADS "dattn ${command} --threads 100000")
+  if(NOT THREADS_RC EQUAL 2 OR NOT "${THREADS_OUT}${THREADS_ERR}" MATCHES "1024")
+    message(FATAL_ERROR "dattn ${command} --threads 100000 exited with ${THREADS_RC}, without "
+                        "the limit 1024:\n${THREADS_OUT}${THREADS_ERR}")
+  endif()
+endforeach()
+
 # ---- dattn run --workload nope: usage error listing the workloads ----
 run_dattn(NOPE run --workload nope)
 expect_failure(NOPE "dattn run --workload nope")

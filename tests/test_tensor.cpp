@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <vector>
 
 #include "dattn/errors.hpp"
 #include "dattn/tensor.hpp"
@@ -23,6 +24,37 @@ TEST(TensorView, ContiguousStridesPermuteAndSlice) {
   EXPECT_THROW(t.view().sliced(1, 2, 2), InvalidArgument);
   const std::array<int, 3> bad{0, 0, 1};
   EXPECT_THROW(t.view().permuted(bad), InvalidArgument);
+}
+
+TEST(TensorView, UnsqueezedInsertsASizeOneDimOfStrideZero) {
+  Tensor t = Tensor::zeros({2, 3, 4}, DType::F32);
+  const TensorView s = t.view().sliced(2, 1, 2);  // strides [12, 4, 1], not contiguous
+  const TensorView front = s.unsqueezed(0);
+  ASSERT_EQ(front.ndim(), 4);
+  EXPECT_EQ(std::vector<std::int64_t>(front.shape().begin(), front.shape().end()),
+            (std::vector<std::int64_t>{1, 2, 3, 2}));
+  EXPECT_EQ(std::vector<std::int64_t>(front.strides().begin(), front.strides().end()),
+            (std::vector<std::int64_t>{0, 12, 4, 1}));
+  EXPECT_EQ(front.data(), s.data());
+  EXPECT_EQ(front.dtype(), DType::F32);
+  const TensorView middle = s.unsqueezed(1);
+  EXPECT_EQ(std::vector<std::int64_t>(middle.strides().begin(), middle.strides().end()),
+            (std::vector<std::int64_t>{12, 0, 4, 1}));
+  EXPECT_EQ(middle.size(1), 1);
+  const TensorView back = s.unsqueezed(3);
+  EXPECT_EQ(back.size(3), 1);
+  EXPECT_EQ(back.stride(3), 0);
+  EXPECT_EQ(back.size(2), 2);
+  // Every element is where it was.
+  const std::array<std::int64_t, 4> at{1, 0, 2, 1};
+  const std::array<std::int64_t, 3> was{1, 2, 1};
+  EXPECT_EQ(middle.element_ptr(at), s.element_ptr(was));
+  EXPECT_THROW((void)s.unsqueezed(4), InvalidArgument);
+  EXPECT_THROW((void)s.unsqueezed(-1), InvalidArgument);
+  TensorView full = s;
+  for (int i = 0; i < 3; ++i) full = full.unsqueezed(0);
+  EXPECT_EQ(full.ndim(), TensorView::kMaxDims);
+  EXPECT_THROW((void)full.unsqueezed(0), InvalidArgument);
 }
 
 TEST(TensorView, CopyIntoConvertsAndFollowsStrides) {

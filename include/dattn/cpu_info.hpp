@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "dattn/threads.hpp"
+
 namespace dattn {
 
 // What the CPU offers and the operating system has enabled. A flag is true only when both hold
@@ -34,7 +36,8 @@ struct PeakGflops {
 
 // Measures the machine's peak with a register-resident loop of independent FMA chains, run on
 // `threads` OpenMP threads at once, best of a few short trials, about `seconds` in total.
-// threads <= 0 means cpu_features().logical_cpus. The result is cached per thread count for the
+// threads <= 0 means cpu_features().logical_cpus (at most kMaxThreads); threads above
+// kMaxThreads raise InvalidArgument naming "threads". The result is cached per thread count for the
 // life of the process: later calls with the same count return it without measuring again (and
 // ignore `seconds`). Thread-safe; concurrent calls are serialised so they don't disturb each other.
 PeakGflops measure_peak_gflops(int threads, double seconds = 0.2);

@@ -15,6 +15,12 @@
 
 namespace dattn {
 
+// Every position of a call stays below 2^62: query and key positions (q_global_start + Sq,
+// k_global_start + Skv, query_ranges' global_start + rows), full_attn_spans' ends, video layout
+// rows and paged sequence lengths are at most kMaxPosition, so no sum of positions and lengths
+// can overflow. A larger one raises InvalidArgument naming the field.
+inline constexpr std::int64_t kMaxPosition = std::int64_t(1) << 62;
+
 // Maps local query rows [local_start, local_end) to global positions starting at global_start.
 struct QueryRange {
   std::int64_t local_start = 0;

@@ -130,6 +130,10 @@ struct AttentionProblem {
   // backends ignore it. Not part of the signature: a sparse backend keys its own caches by it.
   const VideoTokenLayout* video_layout = nullptr;
   FeatureSet features;
+  // OpenMP threads the call may use: the calling context's omp_get_max_threads(), clamped to
+  // [1, kMaxThreads] (set by the layer and by forward_paged). Part of the signature, so a plan
+  // made on one thread count never runs a call from another.
+  int threads = 1;
   // Identifies shapes and metadata structure; a plan runs only on problems with its signature.
   std::uint64_t signature = 0;
 

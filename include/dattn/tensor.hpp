@@ -56,6 +56,9 @@ class TensorView {
   TensorView permuted(std::span<const int> perm) const;
   // Same memory, dim `dim` restricted to [start, start + length).
   TensorView sliced(int dim, std::int64_t start, std::int64_t length) const;
+  // Same memory, a size-1 dim of stride 0 inserted at `dim` (0 <= dim <= ndim() < kMaxDims):
+  // [T, H, D].unsqueezed(0) is [1, T, H, D].
+  TensorView unsqueezed(int dim) const;
   // Pointer to the element at `index` (one coordinate per dim).
   void* element_ptr(std::span<const std::int64_t> index) const;
 

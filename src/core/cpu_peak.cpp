@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dattn/cpu_info.hpp"
+#include "dattn/errors.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -277,7 +278,12 @@ PeakGflops measure_uncached(int threads, double seconds) {
 }  // namespace
 
 PeakGflops measure_peak_gflops(int threads, double seconds) {
-  if (threads <= 0) threads = cpu_features().logical_cpus;
+  if (threads > kMaxThreads)
+    throw InvalidArgument("threads", "threads: " + std::to_string(threads) +
+                                         " is above the limit of " + std::to_string(kMaxThreads) +
+                                         " (kMaxThreads); valid: 1 to " +
+                                         std::to_string(kMaxThreads) + ", or <= 0 for every CPU");
+  if (threads <= 0) threads = std::min(cpu_features().logical_cpus, kMaxThreads);
   if (!(seconds > 0) || !std::isfinite(seconds)) seconds = 0.2;
   seconds = std::min(seconds, 60.0);
 

@@ -7,8 +7,8 @@
 #include <unordered_set>
 
 #include "core/kv_quant.hpp"
-#include "core/prepare_call.hpp"
 #include "dattn/errors.hpp"
+#include "dattn/metadata.hpp"
 
 namespace dattn {
 
@@ -63,7 +63,11 @@ void validate_paged_call(const PagedAttentionCall& call, std::int64_t num_heads,
   check_pages(vp, call.cache.v_scales, "cache.v_pages", "cache.v_scales");
 
   std::int64_t total = 0;
-  for (const PagedRow& r : call.rows) total += std::max<std::int64_t>(r.query_len, 0);
+  for (std::size_t i = 0; i < call.rows.size(); ++i)
+    if (__builtin_add_overflow(total, std::max<std::int64_t>(call.rows[i].query_len, 0), &total))
+      invalid("rows[" + std::to_string(i) + "]", "query_len " +
+                                                     std::to_string(call.rows[i].query_len) +
+                                                     " makes the rows' total overflow");
   const auto check_rows = [&](const TensorView& t, const char* name, std::int64_t heads,
                               std::int64_t dim) {
     if (t.ndim() != 3 || t.size(0) != total || t.size(1) != heads || t.size(2) != dim)
@@ -94,22 +98,28 @@ void validate_paged_call(const PagedAttentionCall& call, std::int64_t num_heads,
       invalid("full_attn_spans", "span " + std::to_string(i) + " [" + std::to_string(a) + ", " +
                                      std::to_string(e) +
                                      ") is negative, empty, unsorted or overlapping");
+    if (e > kMaxPosition)
+      invalid("full_attn_spans", "span " + std::to_string(i) + " [" + std::to_string(a) + ", " +
+                                     std::to_string(e) +
+                                     ") ends past position 2^62 (kMaxPosition)");
   }
   std::unordered_set<std::int64_t> written;
   for (std::size_t i = 0; i < call.rows.size(); ++i) {
     const PagedRow& r = call.rows[i];
     const std::string row = "rows[" + std::to_string(i) + "]";
-    if (r.query_len < 0 || r.seq_len < 0 || r.kv_start_pos < 0 ||
-        r.kv_start_pos + r.query_len > r.seq_len)
+    // seq_len - query_len cannot overflow once both are non-negative.
+    if (r.query_len < 0 || r.seq_len < 0 || r.kv_start_pos < 0 || r.seq_len > kMaxPosition ||
+        r.kv_start_pos > r.seq_len - r.query_len)
       invalid(row, "{query_len " + std::to_string(r.query_len) + ", seq_len " +
                        std::to_string(r.seq_len) + ", kv_start_pos " +
                        std::to_string(r.kv_start_pos) +
-                       "} needs non-negative values and kv_start_pos + query_len <= seq_len");
+                       "} needs non-negative values, kv_start_pos + query_len <= seq_len and "
+                       "seq_len <= 2^62 (kMaxPosition)");
     if (call.causal && r.kv_start_pos + r.query_len != r.seq_len)
       invalid(row, "a causal row must end at seq_len (kv_start_pos + query_len = " +
                        std::to_string(r.kv_start_pos + r.query_len) +
                        ", seq_len = " + std::to_string(r.seq_len) + ")");
-    const std::int64_t pages = (r.seq_len + bs - 1) / bs;
+    const std::int64_t pages = r.seq_len / bs + (r.seq_len % bs != 0 ? 1 : 0);
     if (static_cast<std::int64_t>(r.block_table.size()) < pages)
       invalid(row + ".block_table", "has " + std::to_string(r.block_table.size()) +
                                         " pages but seq_len " + std::to_string(r.seq_len) +
@@ -158,8 +168,8 @@ void write_paged_kv(const PagedAttentionCall& call) {
                                           std::tuple{&call.v_new, &call.cache.v_pages, "v_new"}})
     if (is_quantized_page_dtype(pages->dtype()))
       detail::require_finite_for_quantization(
-          detail::unsqueezed(*src, 0),
-          pages->dtype() == DType::I8 ? KvCacheDtype::int8 : KvCacheDtype::fp8, field);
+          src->unsqueezed(0), pages->dtype() == DType::I8 ? KvCacheDtype::int8 : KvCacheDtype::fp8,
+          field);
   for (const auto& [src, pages, scales] :
        {std::tuple{&call.k_new, &call.cache.k_pages, &call.cache.k_scales},
         std::tuple{&call.v_new, &call.cache.v_pages, &call.cache.v_scales}}) {

@@ -1,7 +1,6 @@
 // What every backend's forward_paged sets alike on the problems it builds from a paged call.
 #pragma once
 
-#include <array>
 #include <cstdint>
 
 #include "dattn/paged.hpp"
@@ -21,9 +20,7 @@ inline void apply_paged_rules(const PagedAttentionCall& call, AttentionProblem& 
 
 // An LSE view [H, T] as the problem's [1, H, T].
 inline TensorView lse_as_batch(const TensorView& l) {
-  const std::array<std::int64_t, 3> shape{1, l.size(0), l.size(1)};
-  const std::array<std::int64_t, 3> strides{0, l.stride(0), l.stride(1)};
-  return TensorView(l.data(), l.dtype(), shape, strides, l.platform());
+  return l.unsqueezed(0);
 }
 
 }  // namespace dattn::detail

@@ -23,8 +23,9 @@ struct PreparedCall {
   std::vector<Tensor> owned;  // merged key masks, when needed
 };
 
-// A view with a size-1 dim of stride 0 inserted at `dim`.
-TensorView unsqueezed(const TensorView& t, int dim);
+// The entries of a 1-D int32 host tensor (cu_seqlens) as i64. Throws InvalidArgument naming
+// `field` for another dtype or rank, Unsupported for a tensor not on the host.
+std::vector<std::int64_t> read_int32_vector(const TensorView& t, const std::string& field);
 // Q/K/V/out (or joint tensors) in `layout` as a [B, S, H, D] view (BHSD permuted, THD with a
 // batch dim of 1 in front). Throws InvalidArgument naming `field` for a wrong rank.
 TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field);

@@ -132,6 +132,22 @@ TensorView TensorView::sliced(int dim, std::int64_t start, std::int64_t length) 
   return out;
 }
 
+TensorView TensorView::unsqueezed(int dim) const {
+  if (dim < 0 || dim > ndim_ || ndim_ >= kMaxDims)
+    throw InvalidArgument("dim", "dim: cannot insert a dim at " + std::to_string(dim) + " of " +
+                                     describe() + " (at most " + std::to_string(kMaxDims) +
+                                     " dims)");
+  TensorView out = *this;
+  for (int i = ndim_; i > dim; --i) {
+    out.shape_[std::size_t(i)] = shape_[std::size_t(i - 1)];
+    out.strides_[std::size_t(i)] = strides_[std::size_t(i - 1)];
+  }
+  out.shape_[std::size_t(dim)] = 1;
+  out.strides_[std::size_t(dim)] = 0;
+  out.ndim_ = ndim_ + 1;
+  return out;
+}
+
 void* TensorView::element_ptr(std::span<const std::int64_t> index) const {
   std::int64_t off = 0;
   for (int i = 0; i < ndim_; ++i) off += index[std::size_t(i)] * strides_[std::size_t(i)];

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/prepare_call.hpp"
 #include "dattn/backend.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/parallel.hpp"
@@ -27,13 +28,12 @@ int AllGatherKvParallel::ranks() const {
 
 namespace {
 
+// cu_seqlens through the validator's reader; at least [0, total].
 std::vector<i64> read_cu(const TensorView& t, const char* field) {
-  if (t.dtype() != DType::I32 || t.ndim() != 1 || t.size(0) < 2)
+  std::vector<i64> v = detail::read_int32_vector(t, field);
+  if (v.size() < 2)
     throw InvalidArgument(field,
                           std::string(field) + ": expected int32 [docs + 1], got " + t.describe());
-  std::vector<i64> v(std::size_t(t.size(0)));
-  const auto* p = static_cast<const std::int32_t*>(t.data());
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = p[std::int64_t(i) * t.stride(0)];
   return v;
 }
 

@@ -102,9 +102,8 @@ Shard read_shard(const AttentionInputs& in, const ParallelContext& ctx) {
     invalid("out", "expected " + dims({s.batch, rows, s.hq, s.dv}) +
                        " (BSHD order, joint rows included), got " + s.out.describe());
   if (in.lse) {
-    const TensorView l = ctx.layout == QkvLayout::THD && in.lse->ndim() == 2
-                             ? detail::unsqueezed(*in.lse, 0)
-                             : *in.lse;
+    const TensorView l =
+        ctx.layout == QkvLayout::THD && in.lse->ndim() == 2 ? in.lse->unsqueezed(0) : *in.lse;
     if (l.dtype() != DType::F32 || l.ndim() != 3 || l.size(0) != s.batch || l.size(1) != s.hq ||
         l.size(2) != rows)
       invalid("lse", "expected f32 " + dims({s.batch, s.hq, rows}) + ", got " + in.lse->describe());

@@ -14,6 +14,7 @@
 #include "dattn/cpu_info.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
+#include "dattn/threads.hpp"
 #include "workloads.hpp"
 
 namespace dattn::cli {
@@ -170,8 +171,10 @@ void print_text(std::ostream& os, const json& info) {
 
 void add_info_options(CLI::App& command, InfoOptions& options) {
   command.add_flag("--json", options.json, "Print one JSON object");
-  command.add_option("--threads,-t", options.threads, "Threads for the peak measurement")
-      ->check(CLI::PositiveNumber);
+  command
+      .add_option("--threads,-t", options.threads,
+                  "Threads for the peak measurement, 1 to " + std::to_string(kMaxThreads))
+      ->check(CLI::Range(1, kMaxThreads));
 }
 
 int run_info(const InfoOptions& options) {

@@ -3,7 +3,10 @@
 #include <iostream>
 #include <new>
 
+#include <omp.h>
 #include <CLI/CLI.hpp>
+
+#include "dattn/threads.hpp"
 
 #include "commands.hpp"
 
@@ -42,6 +45,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
+
+  // OpenMP's default (OMP_NUM_THREADS) counts only up to the library's limit.
+  if (omp_get_max_threads() > dattn::kMaxThreads) omp_set_num_threads(dattn::kMaxThreads);
 
   try {
     if (*info_command) return run_info(info);

@@ -16,6 +16,7 @@
 #include "block_map_png.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/threads.hpp"
 #include "dattn/video_sparse.hpp"
 
 namespace dattn::cli {
@@ -27,9 +28,7 @@ using i64 = std::int64_t;
 // `view` as [B, S, H, E]: BSHD as it is, THD with a batch dim of 1 in front.
 TensorView as_bshd(const TensorView& view, QkvLayout layout) {
   if (layout != QkvLayout::THD) return view;
-  const std::array<i64, 4> shape{1, view.size(0), view.size(1), view.size(2)};
-  const std::array<i64, 4> strides{0, view.stride(0), view.stride(1), view.stride(2)};
-  return TensorView(view.data(), view.dtype(), shape, strides, view.platform());
+  return view.unsqueezed(0);
 }
 
 // Up to `count` of the rows [0, rows), spread evenly, the first and the last included.
@@ -204,8 +203,10 @@ void print_workloads(std::ostream& os) {
 }
 
 void add_measure_options(CLI::App& command, MeasureOptions& options) {
-  command.add_option("--threads,-t", options.threads, "OpenMP threads (default: OpenMP's)")
-      ->check(CLI::PositiveNumber);
+  command
+      .add_option("--threads,-t", options.threads,
+                  "OpenMP threads, 1 to " + std::to_string(kMaxThreads) + " (default: OpenMP's)")
+      ->check(CLI::Range(1, kMaxThreads));
   command
       .add_option("--heads", options.heads,
                   "Override the query head count (KV heads keep the GQA ratio)")

@@ -28,6 +28,7 @@
 #include "backends/flash/tile_plan.hpp"
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
+#include "core/threads.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/paged.hpp"
 
@@ -417,7 +418,7 @@ class FlashImpl final : public Impl {
     const i64 group = p.group_size();
     plan->block = row_block(group);
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
-    plan->threads = omp_get_max_threads();
+    plan->threads = std::max(p.threads, 1);
     // Items that read the same K/V (one segment, one KV head) are consecutive, so the threads
     // working through them find that K/V in the shared cache.
     for (std::size_t si = 0; si < p.segments.size(); ++si) {
@@ -491,10 +492,9 @@ class FlashImpl final : public Impl {
 
     AttentionProblem p;
     const auto as_batch = [](const TensorView& t) {  // [T, H, E] -> [1, T, H, E]
-      const std::array<i64, 4> shape{1, t.size(0), t.size(1), t.size(2)};
-      const std::array<i64, 4> strides{0, t.stride(0), t.stride(1), t.stride(2)};
-      return TensorView(t.data(), t.dtype(), shape, strides, t.platform());
+      return t.unsqueezed(0);
     };
+    p.threads = detail::calling_threads();
     p.batch = 1;
     p.sq = t0;
     p.hq = c.num_heads;

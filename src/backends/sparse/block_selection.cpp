@@ -212,7 +212,7 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
   // Each row's selection is independent: score them in parallel, then build the CSR.
   const i64 rows = p.batch * p.hq * nq, group = p.group_size();
   std::vector<std::int32_t> chosen(std::size_t(rows * k));
-#pragma omp parallel
+#pragma omp parallel num_threads(std::max(p.threads, 1))
   {
     std::vector<float> score(video.size());
     std::vector<i64> rank(video.size());
@@ -391,7 +391,7 @@ PooledBlocks pool_blocks(const AttentionProblem& p, const CallTiling& t, bool wi
                           RowRef (AttentionProblem::*row_of)(i64) const, std::vector<float>& dst,
                           std::vector<i64>* counts) {
       const auto nb = static_cast<i64>(blocks.size());
-#pragma omp parallel for schedule(dynamic, 8)
+#pragma omp parallel for schedule(dynamic, 8) num_threads(std::max(p.threads, 1))
       for (i64 n = 0; n < nb; ++n) {
         const VideoBlock& blk = blocks[std::size_t(n)];
         i64 rows = 0;

@@ -348,7 +348,7 @@ class VideoSparseImpl final : public Impl {
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
     plan->ld_k = round_up(p.d, 16) + kStridePad;
     plan->ld_v = plan->dv_padded + kStridePad;
-    plan->threads = omp_get_max_threads();
+    plan->threads = std::max(p.threads, 1);
     plan->scratch_floats = Tile::floats(p.d, plan->dv_padded, plan->ld_k, plan->ld_v);
     return plan;
   }

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/video_layout.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/video_sparse.hpp"
 
@@ -13,70 +14,6 @@ using i64 = std::int64_t;
 
 [[noreturn]] void invalid(const std::string& field, const std::string& what) {
   throw InvalidArgument(field, field + ": " + what);
-}
-
-std::string grid_text(const LatentGrid& g) {
-  return "(" + std::to_string(g[0]) + ", " + std::to_string(g[1]) + ", " + std::to_string(g[2]) +
-         ")";
-}
-
-// A stretch of the used rows: dense rows, or one video grid.
-struct Stretch {
-  i64 start, length;
-  std::optional<VideoTokenSpan> video;
-};
-
-// The layout's stretches in sequence order, validated; `used` is set to the used length.
-std::vector<Stretch> stretches_of(const VideoTokenLayout& layout, i64 seq_len, i64& used) {
-  const bool tail = layout.prefix_len.has_value() || layout.latent_grid.has_value();
-  const bool spans = layout.used_len.has_value() || !layout.video_spans.empty();
-  if (tail == spans)
-    invalid("video_layout",
-            "give either prefix_len + latent_grid (one-tail form) or used_len + "
-            "video_spans (span form), not " +
-                std::string(tail ? "both" : "neither"));
-  std::vector<VideoTokenSpan> grids;
-  if (tail) {
-    if (!layout.prefix_len || !layout.latent_grid)
-      invalid(layout.prefix_len ? "video_layout.latent_grid" : "video_layout.prefix_len",
-              "the one-tail form needs both prefix_len and latent_grid");
-    if (*layout.prefix_len < 0)
-      invalid("video_layout.prefix_len",
-              "prefix_len = " + std::to_string(*layout.prefix_len) + " must be >= 0");
-    grids.push_back({*layout.prefix_len, *layout.latent_grid, VideoRole::target});
-  } else {
-    if (!layout.used_len) invalid("video_layout.used_len", "the span form needs used_len");
-    grids = layout.video_spans;
-  }
-  i64 end = 0;
-  std::vector<Stretch> out;
-  for (std::size_t i = 0; i < grids.size(); ++i) {
-    const VideoTokenSpan& s = grids[i];
-    const std::string field =
-        tail ? "video_layout.latent_grid" : "video_layout.video_spans[" + std::to_string(i) + "]";
-    for (i64 n : s.latent_grid)
-      if (n <= 0 || n > (i64(1) << 20))
-        invalid(field, "latent_grid " + grid_text(s.latent_grid) +
-                           " is not valid; valid: three sizes in [1, 2^20]");
-    if (s.start < end)
-      invalid(field, "start " + std::to_string(s.start) +
-                         (i == 0 ? " is negative" : " overlaps or precedes the previous span") +
-                         "; spans must be sorted and disjoint");
-    if (s.start > end) out.push_back({end, s.start - end, std::nullopt});
-    out.push_back({s.start, s.length(), s});
-    end = s.start + s.length();
-  }
-  used = tail ? end : *layout.used_len;
-  if (!tail && (used < end))
-    invalid("video_layout.used_len", "used_len = " + std::to_string(used) +
-                                         " ends before the last span (ends at " +
-                                         std::to_string(end) + ")");
-  if (used > seq_len)
-    invalid(tail ? "video_layout" : "video_layout.used_len", "used length " + std::to_string(used) +
-                                                                 " is past the sequence's " +
-                                                                 std::to_string(seq_len) + " rows");
-  if (used > end) out.push_back({end, used - end, std::nullopt});
-  return out;
 }
 
 void check_sizes(const TileShape& tile, i64 dense_block) {
@@ -118,9 +55,11 @@ VideoTiling VideoTiling::build(const VideoTokenLayout& layout, i64 seq_len, Tile
                                i64 dense_block) {
   check_sizes(tile, dense_block);
   VideoTiling t;
-  const std::vector<Stretch> stretches = stretches_of(layout, seq_len, t.used_len_);
+  const detail::CheckedVideoLayout checked =
+      detail::validate_video_layout(layout, seq_len, detail::VideoLayoutRules::full);
+  t.used_len_ = checked.used_len;
   t.order_.reserve(std::size_t(seq_len));
-  for (const Stretch& s : stretches) {
+  for (const detail::VideoStretch& s : checked.stretches) {
     if (!s.video) {
       for (i64 b = 0; b < s.length; b += dense_block) {
         const i64 begin = static_cast<i64>(t.order_.size());
