@@ -1,5 +1,6 @@
 #include "dattn/safetensors.hpp"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -385,6 +386,23 @@ TEST(Safetensors, WriteToAPipeWritesInPlace) {
   ASSERT_EQ(n, static_cast<::ssize_t>(expected.size()));
   got.resize(expected.size());
   EXPECT_EQ(got, expected);
+}
+
+// A file with no path of its own (deleted, reached through /proc/self/fd) is written in place
+// too, rather than through a temporary next to its former name.
+TEST(Safetensors, WriteToADeletedFileThroughProcWritesInPlace) {
+  TempFile file;
+  write_text(file.path(), "previous contents");
+  const int fd = ::open(file.path().c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::unlink(file.path().c_str()), 0);
+  const std::string proc_path = "/proc/self/fd/" + std::to_string(fd);
+  dattn::write_safetensors(proc_path, {{"t", Tensor::zeros({5}, DType::F32)}});
+  EXPECT_EQ(dattn::read_safetensors(proc_path).at("t").numel(), 5);
+  ::close(fd);
+  EXPECT_FALSE(std::filesystem::exists(file.path() + " (deleted)"));
+  EXPECT_TRUE(leftover_temporaries(file.path()).empty());
+  EXPECT_TRUE(leftover_temporaries(file.path() + " (deleted)").empty());
 }
 
 TEST(Safetensors, WritingOntoADirectoryFailsAndLeavesNoTemporary) {

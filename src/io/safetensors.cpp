@@ -355,8 +355,9 @@ class IgnoreFileSizeSignal {
 // target once it is complete and on disk: until then, and after any failure, the target keeps
 // its previous contents, and the temporary is removed. An existing target's permission bits are
 // kept; a new one gets 0666 less the umask, as a plain create would. A target that exists but is
-// not a regular file (a device, a FIFO) is written in place. Errors throw InvalidArgument (field
-// "path") naming the path and the system's reason.
+// not a regular file (a device, a FIFO), or has no path to put a temporary next to (a deleted
+// file or memfd reached through /proc/self/fd), is written in place. Errors throw InvalidArgument
+// (field "path") naming the path and the system's reason.
 class AtomicOutput {
  public:
   explicit AtomicOutput(const std::string& path) : path_(path), target_(path) {
@@ -365,20 +366,19 @@ class AtomicOutput {
     if (::stat(path.c_str(), &st) == 0) {
       if (S_ISDIR(st.st_mode)) fail("", EISDIR);
       if (!S_ISREG(st.st_mode)) {
-        direct_ = true;
-        fd_ = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
-        if (fd_ < 0) {
-          const int error = errno;
-          fail("cannot open it", error);
-        }
+        open_in_place();
         return;
       }
       keep_mode = st.st_mode & 07777;
-      // A symlink to a file: replace the file, as writing through the link would.
-      struct stat link {};
-      std::error_code ec;
-      if (::lstat(path.c_str(), &link) == 0 && S_ISLNK(link.st_mode))
-        if (auto real = std::filesystem::canonical(path, ec); !ec) target_ = real.string();
+      // A symlink: replace the file it leads to, as writing through the link would.
+      if (is_symlink(path)) {
+        const std::optional<std::string> real = path_of_file(path, st);
+        if (!real) {
+          open_in_place();
+          return;
+        }
+        target_ = *real;
+      }
     }
     create_temporary();
     if (keep_mode && ::fchmod(fd_, *keep_mode) != 0) {
@@ -425,6 +425,33 @@ class AtomicOutput {
   }
 
  private:
+  static bool is_symlink(const std::string& path) {
+    struct stat link {};
+    return ::lstat(path.c_str(), &link) == 0 && S_ISLNK(link.st_mode);
+  }
+
+  // The link-free path of `link`, whose target is `st`; nothing when the target has no path of
+  // its own (a deleted file, a memfd under /proc/self/fd).
+  static std::optional<std::string> path_of_file(const std::string& link, const struct stat& st) {
+    std::error_code ec;
+    const std::filesystem::path real = std::filesystem::canonical(link, ec);
+    struct stat found {};
+    if (ec || ::stat(real.c_str(), &found) != 0 || found.st_dev != st.st_dev ||
+        found.st_ino != st.st_ino)
+      return std::nullopt;
+    return real.string();
+  }
+
+  // Opens path_ to be written in place, truncated.
+  void open_in_place() {
+    direct_ = true;
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+    if (fd_ < 0) {
+      const int error = errno;
+      fail("cannot open it", error);
+    }
+  }
+
   // Creates temp_ = target_ + ".tmp" + a unique suffix, exclusively, mode 0666 less the umask.
   void create_temporary() {
     static std::atomic<std::uint64_t> counter{0};
