@@ -499,6 +499,26 @@ TEST(Safetensors, RejectsHeaderThatIsNotJson) {
   EXPECT_TRUE(rejects("{\"bad\xff\": {}}", {"not valid JSON"}));  // not UTF-8
 }
 
+// Found by tests/fuzz (corpus/fuzz_safetensors/crash-number-overflow): numbers beyond double's
+// range made nlohmann throw out_of_range, which escaped as a non-dattn exception.
+TEST(Safetensors, RejectsHeaderNumbersBeyondDoubleRange) {
+  EXPECT_TRUE(rejects("1e999", {"not valid JSON", "number overflow", "1e999"}));
+  EXPECT_TRUE(rejects(R"({"t": {"dtype": "F32", "shape": [-1e999], "data_offsets": [0, 4]}})",
+                      {"not valid JSON", "number overflow"}, 4));
+  TempFile file;
+  {
+    const std::vector<std::byte> bytes = with_header(R"({"__metadata__": {"k": 1E+400}})");
+    std::ofstream out(file.path(), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  }
+  try {
+    dattn::read_safetensors(file.path());
+    ADD_FAILURE() << "no error";
+  } catch (const dattn::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("number overflow"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Safetensors, RejectsHeaderThatIsNotAnObject) {
   EXPECT_TRUE(rejects("[]", {"must be a JSON object", "array"}));
   EXPECT_TRUE(rejects("42", {"must be a JSON object", "number"}));

@@ -271,8 +271,8 @@ Header parse_header(std::string_view text, std::uint64_t data_size, const Origin
   json root;
   try {
     root = json::parse(text.begin(), text.end(), limit_depth);
-  } catch (const json::parse_error& e) {
-    std::string_view what = e.what();  // "[json.exception.parse_error.101] parse error at ..."
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for numbers like 1e999
+    std::string_view what = e.what();   // "[json.exception.parse_error.101] parse error at ..."
     if (const auto pos = what.find("] "); pos != std::string_view::npos)
       what.remove_prefix(pos + 2);
     origin.fail("header is not valid JSON: " + std::string(what));
