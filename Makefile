@@ -11,7 +11,12 @@ DEBIAN_PACKAGES := cmake ninja-build g++ make pkg-config clang-format \
   libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libdlpack-dev libpng-dev \
   libopenmpi-dev openmpi-bin
 
-.PHONY: deps configure build run test asan format format-check install install-check clean
+# What `make fuzz` needs besides: clang with libFuzzer (compiler-rt) and LLVM's OpenMP runtime.
+FUZZ_DEBIAN_PACKAGES := clang libclang-rt-14-dev libomp-dev
+FUZZ_SECONDS ?= 45
+FUZZ_TARGETS := fuzz_safetensors fuzz_attend_meta
+
+.PHONY: deps configure build run test asan fuzz format format-check install install-check clean
 
 deps:
 	@missing=""; \
@@ -42,6 +47,22 @@ test: build
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer.
 asan:
 	$(MAKE) test PRESET=asan
+
+# The libFuzzer targets of tests/fuzz (clang, ASan + UBSan, build/fuzz), each run for
+# FUZZ_SECONDS from its seed corpus (tests/fuzz/corpus/<target>); new inputs go to
+# build/fuzz/corpus/<target>, crashing ones to build/fuzz/artifacts/. Fails on any finding.
+fuzz:
+	$(MAKE) deps DEBIAN_PACKAGES="$(DEBIAN_PACKAGES) $(FUZZ_DEBIAN_PACKAGES)"
+	cmake --preset fuzz
+	cmake --build --preset fuzz
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/fuzz/corpus/$$t build/fuzz/artifacts && \
+	  echo "dattn: fuzzing $$t for $(FUZZ_SECONDS) s" && \
+	  build/fuzz/tests/fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
+	    -dict=tests/fuzz/json.dict -print_final_stats=1 \
+	    -artifact_prefix=build/fuzz/artifacts/$$t- build/fuzz/corpus/$$t tests/fuzz/corpus/$$t \
+	    || exit 1; \
+	done
 
 format:
 	git ls-files '*.cpp' '*.hpp' | xargs clang-format -i

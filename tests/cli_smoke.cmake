@@ -104,6 +104,22 @@ if(NOT EXISTS "${result}")
   message(FATAL_ERROR "dattn attend did not write ${result}:\n${ATTEND_OUT}${ATTEND_ERR}")
 endif()
 
+# ---- dattn attend past the file size limit: exit 1 naming the reason; the old output stays ----
+file(SHA256 "${result}" result_before)
+execute_process(COMMAND sh -c "ulimit -f 8 && exec \"$0\" \"$@\"" "${DATTN}" attend
+                        --inputs "${example}" --meta "${example_meta}" --out "${result}"
+                WORKING_DIRECTORY "${WORKDIR}"
+                RESULT_VARIABLE full_rc OUTPUT_VARIABLE full_out ERROR_VARIABLE full_err)
+if(NOT full_rc STREQUAL "1" OR NOT full_err MATCHES "result\\.safetensors.*File too large")
+  message(FATAL_ERROR "dattn attend under ulimit -f should exit 1 with 'File too large', got "
+                      "'${full_rc}':\n${full_out}${full_err}")
+endif()
+file(SHA256 "${result}" result_after)
+file(GLOB leftovers "${result}.tmp*")
+if(NOT result_after STREQUAL result_before OR leftovers)
+  message(FATAL_ERROR "a failed dattn attend changed ${result} or left ${leftovers}")
+endif()
+
 # ---- dattn attend on a malformed file: a clear error, exit 1 ----
 set(malformed "${WORKDIR}/not-safetensors.txt")
 file(WRITE "${malformed}" "this is not a safetensors file\n")

@@ -1,6 +1,11 @@
 #include "dattn/safetensors.hpp"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
@@ -29,10 +34,11 @@ constexpr std::array<DType, 7> kAllDTypes = {DType::F32,      DType::BF16, DType
 // A file path unique to the running test, removed again at scope exit.
 class TempFile {
  public:
-  TempFile() {
+  explicit TempFile(std::string_view tag = "") {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = (std::filesystem::temp_directory_path() / ("dattn_" + std::string(info->name()) + "_" +
-                                                       std::to_string(::getpid()) + ".safetensors"))
+    path_ = (std::filesystem::temp_directory_path() /
+             ("dattn_" + std::string(info->name()) + "_" + std::string(tag) +
+              std::to_string(::getpid()) + ".safetensors"))
                 .string();
   }
   TempFile(const TempFile&) = delete;
@@ -309,6 +315,162 @@ TEST(Safetensors, WriteRejectsNonCpuAndDatalessViews) {
                dattn::InvalidArgument);
 }
 
+// ---- writes replace the file atomically ----
+
+// Entries of `path`'s directory named like a temporary of `path` ("<name>.tmp...").
+std::vector<std::string> leftover_temporaries(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string prefix = p.filename().string() + ".tmp";
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator(p.parent_path()))
+    if (entry.path().filename().string().starts_with(prefix)) found.push_back(entry.path());
+  return found;
+}
+
+mode_t permission_bits(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 07777;
+}
+
+void write_text(const std::string& path, std::string_view text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+TEST(Safetensors, WriteReplacesAnExistingFileKeepingItsMode) {
+  TempFile file;
+  write_text(file.path(), "previous contents");
+  ASSERT_EQ(::chmod(file.path().c_str(), 0640), 0);
+  const Tensor t = Tensor::zeros({3}, DType::F32);
+  dattn::write_safetensors(file.path(), {{"t", t}});
+  EXPECT_EQ(dattn::read_safetensors(file.path()).at("t").numel(), 3);
+  EXPECT_EQ(permission_bits(file.path()), 0640u);
+  EXPECT_TRUE(leftover_temporaries(file.path()).empty());
+}
+
+TEST(Safetensors, WriteCreatesANewFileWithTheUmaskedDefaultMode) {
+  TempFile file;
+  const mode_t previous = ::umask(027);
+  dattn::write_safetensors(file.path(), {{"t", Tensor::zeros({1}, DType::F32)}});
+  ::umask(previous);
+  EXPECT_EQ(permission_bits(file.path()), 0640u);  // 0666 & ~027
+}
+
+TEST(Safetensors, WriteThroughASymlinkReplacesItsTarget) {
+  TempFile file, link("link");
+  write_text(file.path(), "previous contents");
+  std::filesystem::create_symlink(file.path(), link.path());
+  dattn::write_safetensors(link.path(), {{"t", Tensor::zeros({2}, DType::F32)}});
+  EXPECT_TRUE(std::filesystem::is_symlink(link.path()));
+  EXPECT_EQ(dattn::read_safetensors(file.path()).at("t").numel(), 2);
+  EXPECT_TRUE(leftover_temporaries(file.path()).empty());
+  EXPECT_TRUE(leftover_temporaries(link.path()).empty());
+}
+
+// A target that is not a regular file (here a pipe, through /proc/self/fd) is written in place.
+TEST(Safetensors, WriteToAPipeWritesInPlace) {
+  std::array<int, 2> fds{};
+  ASSERT_EQ(::pipe(fds.data()), 0);
+  const std::string pipe_path = "/proc/self/fd/" + std::to_string(fds[1]);
+  const Tensor t = Tensor::zeros({4}, DType::F32);
+  TempFile file;
+  dattn::write_safetensors(file.path(), {{"t", t}});
+  const std::vector<std::byte> expected = file_contents(file.path());
+  ASSERT_LT(expected.size(), 4096u);  // fits in the pipe's buffer
+  dattn::write_safetensors(pipe_path, {{"t", t}});
+  ::close(fds[1]);
+  std::vector<std::byte> got(expected.size() + 1);
+  const ::ssize_t n = ::read(fds[0], got.data(), got.size());
+  ::close(fds[0]);
+  ASSERT_EQ(n, static_cast<::ssize_t>(expected.size()));
+  got.resize(expected.size());
+  EXPECT_EQ(got, expected);
+}
+
+// A file with no path of its own (deleted, reached through /proc/self/fd) is written in place
+// too, rather than through a temporary next to its former name.
+TEST(Safetensors, WriteToADeletedFileThroughProcWritesInPlace) {
+  TempFile file;
+  write_text(file.path(), "previous contents");
+  const int fd = ::open(file.path().c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::unlink(file.path().c_str()), 0);
+  const std::string proc_path = "/proc/self/fd/" + std::to_string(fd);
+  dattn::write_safetensors(proc_path, {{"t", Tensor::zeros({5}, DType::F32)}});
+  EXPECT_EQ(dattn::read_safetensors(proc_path).at("t").numel(), 5);
+  ::close(fd);
+  EXPECT_FALSE(std::filesystem::exists(file.path() + " (deleted)"));
+  EXPECT_TRUE(leftover_temporaries(file.path()).empty());
+  EXPECT_TRUE(leftover_temporaries(file.path() + " (deleted)").empty());
+}
+
+TEST(Safetensors, WritingOntoADirectoryFailsAndLeavesNoTemporary) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("dattn_dir_" + std::to_string(::getpid()));
+  std::filesystem::create_directory(dir);
+  try {
+    dattn::write_safetensors(dir.string(), {{"t", Tensor::zeros({1}, DType::F32)}});
+    ADD_FAILURE() << "no error";
+  } catch (const dattn::InvalidArgument& e) {
+    EXPECT_EQ(e.field(), "path");
+    EXPECT_NE(std::string(e.what()).find(dir.string()), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(std::filesystem::is_directory(dir));
+  EXPECT_TRUE(leftover_temporaries(dir.string()).empty());
+  std::filesystem::remove_all(dir);
+}
+
+// Exit codes of the writing child below.
+enum ChildExit : int {
+  kThrewTheTypedError = 0,
+  kWroteWithoutError = 10,
+  kThrewSomethingElse = 11,
+  kMessageLacksReason = 12,
+  kSignalNotRestored = 13,
+};
+
+// A write that runs past RLIMIT_FSIZE (the file system's "disk full" as a process limit, which
+// works as root too) throws InvalidArgument naming the path and EFBIG instead of dying of
+// SIGXFSZ, and the file written before stays byte for byte, with no temporary left.
+TEST(Safetensors, AFailedWriteLeavesThePreviousFileAsItWas) {
+  TempFile file;
+  std::mt19937 rng(7);
+  dattn::write_safetensors(file.path(), {{"small", random_tensor({16}, DType::F32, rng)}});
+  const std::vector<std::byte> before = file_contents(file.path());
+  const Tensor big = random_tensor({64, 1024}, DType::F32, rng);  // 256 KiB
+
+  const ::pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const ::rlimit limit{64 * 1024, 64 * 1024};
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) ::_exit(20);
+    int code = kWroteWithoutError;
+    try {
+      dattn::write_safetensors(file.path(), {{"big", big}});
+    } catch (const dattn::InvalidArgument& e) {
+      const std::string message = e.what();
+      code = message.find(file.path()) != std::string::npos &&
+                     message.find(std::strerror(EFBIG)) != std::string::npos
+                 ? kThrewTheTypedError
+                 : kMessageLacksReason;
+    } catch (...) {
+      code = kThrewSomethingElse;
+    }
+    struct sigaction now {};
+    if (::sigaction(SIGXFSZ, nullptr, &now) != 0 || now.sa_handler != SIG_DFL)
+      code = kSignalNotRestored;
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_FALSE(WIFSIGNALED(status)) << "the child died of signal " << WTERMSIG(status);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), kThrewTheTypedError);
+  EXPECT_EQ(file_contents(file.path()), before);
+  EXPECT_TRUE(leftover_temporaries(file.path()).empty());
+}
+
 // ---- malformed input ----
 
 TEST(Safetensors, RejectsFilesShorterThanTheLengthPrefix) {
@@ -335,6 +497,26 @@ TEST(Safetensors, RejectsHeaderThatIsNotJson) {
   EXPECT_TRUE(rejects("{\"a\": {}}\0\0"sv, {"not valid JSON"}));
   EXPECT_TRUE(rejects("{}\0 garbage"sv, {"not valid JSON", "NUL byte at offset 2"}));
   EXPECT_TRUE(rejects("{\"bad\xff\": {}}", {"not valid JSON"}));  // not UTF-8
+}
+
+// Found by tests/fuzz (corpus/fuzz_safetensors/crash-number-overflow): numbers beyond double's
+// range made nlohmann throw out_of_range, which escaped as a non-dattn exception.
+TEST(Safetensors, RejectsHeaderNumbersBeyondDoubleRange) {
+  EXPECT_TRUE(rejects("1e999", {"not valid JSON", "number overflow", "1e999"}));
+  EXPECT_TRUE(rejects(R"({"t": {"dtype": "F32", "shape": [-1e999], "data_offsets": [0, 4]}})",
+                      {"not valid JSON", "number overflow"}, 4));
+  TempFile file;
+  {
+    const std::vector<std::byte> bytes = with_header(R"({"__metadata__": {"k": 1E+400}})");
+    std::ofstream out(file.path(), std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  }
+  try {
+    dattn::read_safetensors(file.path());
+    ADD_FAILURE() << "no error";
+  } catch (const dattn::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("number overflow"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Safetensors, RejectsHeaderThatIsNotAnObject) {

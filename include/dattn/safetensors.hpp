@@ -50,7 +50,15 @@ SafetensorsFile parse_safetensors(std::span<const std::byte> bytes,
 // `path`, replacing it. Tensors are laid out back to back in name order; the header is padded
 // with spaces to a multiple of 8 bytes. Throws InvalidArgument for duplicate names, the reserved
 // name "__metadata__", names or metadata that are not valid UTF-8, views without data, or I/O
-// failures (field "path"); Unsupported for views that are not on the CPU.
+// failures (field "path", naming the path and the system's reason); Unsupported for views that
+// are not on the CPU.
+//
+// The replacement is atomic: the file is written to a temporary next to `path`
+// ("<path>.tmpXXXXXXXX"), flushed to disk and renamed over `path`, so that a failed write (a
+// full disk, RLIMIT_FSIZE: SIGXFSZ is ignored during the call, so it fails with EFBIG) leaves
+// the previous file as it was and no temporary behind. An existing file keeps its permission
+// bits, a new one gets 0666 less the umask; a symlink is followed and its target replaced. A
+// `path` that exists but is not a regular file (a pipe, a device) is written in place.
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, TensorView>>& tensors,
                        const std::map<std::string, std::string, std::less<>>& metadata = {});

@@ -174,9 +174,10 @@ void write_paged_kv(const PagedAttentionCall& call) {
        {std::tuple{&call.k_new, &call.cache.k_pages, &call.cache.k_scales},
         std::tuple{&call.v_new, &call.cache.v_pages, &call.cache.v_scales}}) {
     const std::int64_t heads = pages->size(2), width = pages->size(3);
-    const auto value = [&](std::int64_t t, std::int64_t h, std::int64_t e) {
-      return load_as_f32(src->data(), src->dtype(),
-                         t * src->stride(0) + h * src->stride(1) + e * src->stride(2));
+    // (clang 14 cannot capture structured bindings, hence `source`)
+    const auto value = [&, source = src](std::int64_t t, std::int64_t h, std::int64_t e) {
+      return load_as_f32(source->data(), source->dtype(),
+                         t * source->stride(0) + h * source->stride(1) + e * source->stride(2));
     };
     // (row of the call, page, slot) of every new token.
     struct Target {

@@ -1,13 +1,21 @@
 #include "dattn/safetensors.hpp"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <system_error>
 
@@ -263,8 +271,8 @@ Header parse_header(std::string_view text, std::uint64_t data_size, const Origin
   json root;
   try {
     root = json::parse(text.begin(), text.end(), limit_depth);
-  } catch (const json::parse_error& e) {
-    std::string_view what = e.what();  // "[json.exception.parse_error.101] parse error at ..."
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for numbers like 1e999
+    std::string_view what = e.what();   // "[json.exception.parse_error.101] parse error at ..."
     if (const auto pos = what.find("] "); pos != std::string_view::npos)
       what.remove_prefix(pos + 2);
     origin.fail("header is not valid JSON: " + std::string(what));
@@ -312,6 +320,192 @@ void require_utf8(const std::string& text, const char* field, const std::string&
     throw InvalidArgument(field, what + " " + in_quotes(text) + " is not valid UTF-8");
   }
 }
+
+std::string error_text(int error) {
+  return std::error_code(error, std::generic_category()).message();
+}
+
+// Ignores SIGXFSZ while any instance is alive, so that a write past RLIMIT_FSIZE fails with
+// EFBIG instead of killing the process; the last one restores the previous disposition.
+class IgnoreFileSizeSignal {
+ public:
+  IgnoreFileSizeSignal() {
+    const std::lock_guard lock(mutex_);
+    if (users_++ > 0) return;
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    saved_ = ::sigaction(SIGXFSZ, &ignore, &previous_) == 0;
+  }
+  IgnoreFileSizeSignal(const IgnoreFileSizeSignal&) = delete;
+  IgnoreFileSizeSignal& operator=(const IgnoreFileSizeSignal&) = delete;
+  ~IgnoreFileSizeSignal() {
+    const std::lock_guard lock(mutex_);
+    if (--users_ == 0 && saved_) ::sigaction(SIGXFSZ, &previous_, nullptr);
+  }
+
+ private:
+  static inline std::mutex mutex_;
+  static inline int users_ = 0;
+  static inline bool saved_ = false;
+  static inline struct sigaction previous_ {};
+};
+
+// A file written through a temporary in the target's directory that commit() renames over the
+// target once it is complete and on disk: until then, and after any failure, the target keeps
+// its previous contents, and the temporary is removed. An existing target's permission bits are
+// kept; a new one gets 0666 less the umask, as a plain create would. A target that exists but is
+// not a regular file (a device, a FIFO), or has no path to put a temporary next to (a deleted
+// file or memfd reached through /proc/self/fd), is written in place. Errors throw InvalidArgument
+// (field "path") naming the path and the system's reason.
+class AtomicOutput {
+ public:
+  explicit AtomicOutput(const std::string& path) : path_(path), target_(path) {
+    std::optional<mode_t> keep_mode;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0) {
+      if (S_ISDIR(st.st_mode)) fail("", EISDIR);
+      if (!S_ISREG(st.st_mode)) {
+        open_in_place();
+        return;
+      }
+      keep_mode = st.st_mode & 07777;
+      // A symlink: replace the file it leads to, as writing through the link would.
+      if (is_symlink(path)) {
+        const std::optional<std::string> real = path_of_file(path, st);
+        if (!real) {
+          open_in_place();
+          return;
+        }
+        target_ = *real;
+      }
+    }
+    create_temporary();
+    if (keep_mode && ::fchmod(fd_, *keep_mode) != 0) {
+      const int error = errno;
+      fail("cannot set the mode of '" + temp_ + "'", error);
+    }
+  }
+  AtomicOutput(const AtomicOutput&) = delete;
+  AtomicOutput& operator=(const AtomicOutput&) = delete;
+  ~AtomicOutput() { discard(); }
+
+  void write(const void* src, std::uint64_t n) {
+    constexpr std::uint64_t kMaxChunk = std::uint64_t{1} << 30;
+    const auto* p = static_cast<const char*>(src);
+    while (n > 0) {
+      const ::ssize_t written = ::write(fd_, p, std::min(n, kMaxChunk));
+      if (written < 0) {
+        const int error = errno;
+        if (error == EINTR) continue;
+        fail("write error", error);
+      }
+      if (written == 0) fail("write error", EIO);
+      p += written;
+      n -= static_cast<std::uint64_t>(written);
+    }
+  }
+
+  void commit() {
+    if (!direct_ && ::fsync(fd_) != 0) {
+      const int error = errno;
+      fail("cannot flush '" + temp_ + "' to disk", error);
+    }
+    if (::close(std::exchange(fd_, -1)) != 0) {
+      const int error = errno;
+      fail("cannot close '" + (direct_ ? path_ : temp_) + "'", error);
+    }
+    if (direct_) return;
+    if (::rename(temp_.c_str(), target_.c_str()) != 0) {
+      const int error = errno;
+      fail("cannot rename '" + temp_ + "' over it", error);
+    }
+    temp_.clear();
+    sync_directory();
+  }
+
+ private:
+  static bool is_symlink(const std::string& path) {
+    struct stat link {};
+    return ::lstat(path.c_str(), &link) == 0 && S_ISLNK(link.st_mode);
+  }
+
+  // The link-free path of `link`, whose target is `st`; nothing when the target has no path of
+  // its own (a deleted file, a memfd under /proc/self/fd).
+  static std::optional<std::string> path_of_file(const std::string& link, const struct stat& st) {
+    std::error_code ec;
+    const std::filesystem::path real = std::filesystem::canonical(link, ec);
+    struct stat found {};
+    if (ec || ::stat(real.c_str(), &found) != 0 || found.st_dev != st.st_dev ||
+        found.st_ino != st.st_ino)
+      return std::nullopt;
+    return real.string();
+  }
+
+  // Opens path_ to be written in place, truncated.
+  void open_in_place() {
+    direct_ = true;
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+    if (fd_ < 0) {
+      const int error = errno;
+      fail("cannot open it", error);
+    }
+  }
+
+  // Creates temp_ = target_ + ".tmp" + a unique suffix, exclusively, mode 0666 less the umask.
+  void create_temporary() {
+    static std::atomic<std::uint64_t> counter{0};
+    constexpr std::string_view kDigits = "0123456789abcdefghijklmnopqrstuvwxyz";
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      // splitmix64 of the pid, a counter and the clock: distinct across threads and processes.
+      std::uint64_t x = (std::uint64_t(::getpid()) << 40) ^ counter.fetch_add(1) ^
+                        std::uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+      x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+      x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+      x ^= x >> 31;
+      std::string suffix;
+      for (int i = 0; i < 8; ++i, x /= kDigits.size()) suffix += kDigits[x % kDigits.size()];
+      const std::string name = target_ + ".tmp" + suffix;
+      fd_ = ::open(name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      if (fd_ >= 0) {
+        temp_ = name;
+        return;
+      }
+      if (const int error = errno; error != EEXIST)
+        fail("cannot create a temporary file next to it", error);
+    }
+    fail("cannot create a temporary file next to it", EEXIST);
+  }
+
+  // Makes the rename durable; best effort, since the new file is already in place.
+  void sync_directory() const {
+    std::filesystem::path dir = std::filesystem::path(target_).parent_path();
+    if (dir.empty()) dir = ".";
+    const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return;
+    static_cast<void>(::fsync(fd));
+    ::close(fd);
+  }
+
+  void discard() noexcept {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+    if (!temp_.empty()) ::unlink(temp_.c_str());
+    temp_.clear();
+  }
+
+  [[noreturn]] void fail(const std::string& what, int error) {
+    discard();
+    throw InvalidArgument("path", "cannot write '" + path_ + "': " +
+                                      (what.empty() ? "" : what + ": ") + error_text(error) +
+                                      (direct_ ? "" : "; the previous file, if any, is unchanged"));
+  }
+
+  std::string path_;    // as given, for messages
+  std::string target_;  // the file replaced: path_ with a symlink resolved
+  std::string temp_;    // the temporary file while it exists
+  int fd_ = -1;
+  bool direct_ = false;  // written in place (not a regular file)
+};
 
 }  // namespace
 
@@ -426,15 +620,10 @@ void write_safetensors(const std::string& path,
   std::string text = header.dump();
   text.append((kPrefixBytes - text.size() % kPrefixBytes) % kPrefixBytes, ' ');
 
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out)
-    throw InvalidArgument("path", "cannot open '" + path + "' for writing: " +
-                                      std::error_code(errno, std::generic_category()).message());
-  const auto write = [&out](const void* src, std::uint64_t n) {
-    out.write(static_cast<const char*>(src), static_cast<std::streamsize>(n));
-  };
-  write(encode_header_length(text.size()).data(), kPrefixBytes);
-  write(text.data(), text.size());
+  const IgnoreFileSizeSignal ignore_file_size_signal;
+  AtomicOutput out(path);
+  out.write(encode_header_length(text.size()).data(), kPrefixBytes);
+  out.write(text.data(), text.size());
   std::vector<std::byte> scratch;
   for (const auto* entry : order) {
     const TensorView& view = entry->second;
@@ -442,15 +631,14 @@ void write_safetensors(const std::string& path,
         static_cast<std::uint64_t>(view.numel()) * dtype_size(view.dtype());
     if (nbytes == 0) continue;
     if (view.is_contiguous()) {
-      write(view.data(), nbytes);
+      out.write(view.data(), nbytes);
     } else {
       scratch.resize(nbytes);
       gather_contiguous(view, scratch.data());
-      write(scratch.data(), nbytes);
+      out.write(scratch.data(), nbytes);
     }
   }
-  out.close();
-  if (!out) throw InvalidArgument("path", "writing '" + path + "' failed");
+  out.commit();
 }
 
 }  // namespace dattn

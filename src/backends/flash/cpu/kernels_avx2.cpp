@@ -11,8 +11,13 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+// The instruction set of every function below: GCC's target pragma, or clang's equivalent.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 
 namespace dattn::flash {
 namespace avx2_impl {
@@ -96,7 +101,11 @@ const TileKernels& avx2_kernels() {
 
 }  // namespace dattn::flash
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #else
 namespace dattn::flash {
 const TileKernels& avx2_kernels() {
