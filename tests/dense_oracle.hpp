@@ -1,6 +1,6 @@
 // An independent oracle for the reference backend's tests: attention over an explicitly
-// materialised visibility/bias function, written from SPEC's rules rather than from the
-// library's resolution code.
+// materialised visibility/bias function, written from the rules of docs/semantics.md rather than
+// from the library's resolution code.
 #pragma once
 
 #include <cmath>

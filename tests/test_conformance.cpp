@@ -1,7 +1,7 @@
-// The capability conformance suite (SPEC §11 "flags must be true"). Every registered backend
-// runs every case: where it claims the features a case needs, its output and LSE must match
-// REFERENCE; where it does not, the layer must raise Unsupported naming the feature and write
-// nothing. New backends join by registering; no test code changes.
+// The capability conformance suite (docs/semantics.md, "Capabilities and selection": flags must be
+// true). Every registered backend runs every case: where it claims the features a case needs, its
+// output and LSE must match REFERENCE; where it does not, the layer must raise Unsupported naming
+// the feature and write nothing. New backends join by registering; no test code changes.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -272,7 +272,8 @@ std::vector<Case> scenarios() {
 
 // What a backend must claim to serve `c` built as `in`. A [real, pad] packing is one document
 // for a backend that honours packed_padding, and two real ones for a backend that ignores it
-// (SPEC §5, §6). Causal cases need supports_causal; 3-D/4-D masks supports_dense_attention_mask.
+// (docs/semantics.md, "Packed variable-length batches" and "Packed padding and prefix slicing").
+// Causal cases need supports_causal; 3-D/4-D masks supports_dense_attention_mask.
 std::vector<Feature> needs_of(const Case& c, const Backend& b, const Inputs& in) {
   std::vector<Feature> needs = c.needs;
   if (c.name == "RealPadPackedPadding" && !b.supports_packed_mask_free())
@@ -357,7 +358,8 @@ TEST_P(Conformance, MatchesReferenceOrRaisesForUnclaimedFeatures) {
     for (Feature f : needs_of(p.scenario, layer.backend(), in))
       ASSERT_TRUE(layer.backend().claims(f))
           << "served a call needing unclaimed " << feature_name(f);
-    // Backends without supports_packed_mask_free ignore packed_padding (SPEC §6).
+    // Backends without supports_packed_mask_free ignore packed_padding (docs/semantics.md, "Packed
+    // padding and prefix slicing").
     AttentionMetadata want_meta = in.meta;
     if (!layer.backend().supports_packed_mask_free()) want_meta.packed_padding.reset();
     const ForwardResult want = run(in, "REFERENCE", &want_meta);

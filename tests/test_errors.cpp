@@ -1,4 +1,5 @@
-// SPEC §13: every invalid input raises a typed error naming the field, and nothing is written.
+// docs/semantics.md, "Errors": every invalid input raises a typed error naming the field, and
+// nothing is written.
 #include <gtest/gtest.h>
 
 #include <functional>

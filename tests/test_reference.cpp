@@ -1,4 +1,5 @@
-// REFERENCE against an independent oracle built from SPEC's rules, feature by feature.
+// REFERENCE against an independent oracle built from the rules of docs/semantics.md, feature by
+// feature.
 #include <gtest/gtest.h>
 
 #include <cmath>

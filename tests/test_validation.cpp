@@ -1,6 +1,6 @@
-// Validation at the edges of the integer range (SPEC §13: no input, however malformed, may crash
-// the process): positions and video layouts whose sums overflow, error messages about huge
-// vectors, thread counts, and plans that must follow the caller's thread count.
+// Validation at the edges of the integer range (docs/semantics.md, "Errors": no input, however
+// malformed, may crash the process): positions and video layouts whose sums overflow, error
+// messages about huge vectors, thread counts, and plans that must follow the caller's thread count.
 #include <gtest/gtest.h>
 #include <omp.h>
 

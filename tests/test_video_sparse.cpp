@@ -1,5 +1,5 @@
-// VIDEO_SPARSE (SPEC §9): tiling, block selection and the block-sparse kernel against the
-// reference backend under the equivalent token mask.
+// VIDEO_SPARSE (docs/semantics.md, "Video token layout and VIDEO_SPARSE"): tiling, block selection
+// and the block-sparse kernel against the reference backend under the equivalent token mask.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // The Attention layer: validates a call, attaches joint tokens, checks the backend's
-// capabilities, and runs the chosen backend's impl (DESIGN.md "the flow of one call").
+// capabilities, and runs the chosen backend's impl (docs/architecture.md, "The flow of one call").
 #pragma once
 
 #include <cstdint>

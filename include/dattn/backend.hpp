@@ -1,5 +1,6 @@
-// The backend contract (SPEC §11): a Backend declares capabilities and makes Impls; an Impl
-// plans and runs calls on the platform where the tensors live.
+// The backend contract (docs/semantics.md, "Capabilities and selection"): a Backend declares
+// capabilities and makes Impls; an Impl plans and runs calls on the platform where the tensors
+// live.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +73,8 @@ class Impl {
   void run(const Plan& plan, const AttentionProblem& problem) const;
   void forward(const AttentionProblem& problem) const { run(*plan(problem), problem); }
 
-  // One paged-KV call (SPEC §10). Throws Unsupported unless the backend supports paged KV.
+  // One paged-KV call (docs/semantics.md, "Paged KV"). Throws Unsupported unless the backend
+  // supports paged KV.
   virtual void forward_paged(const PagedAttentionCall& call) const;
 
  protected:

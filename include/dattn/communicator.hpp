@@ -1,6 +1,6 @@
-// The communicator that sequence parallelism runs over (SPEC §12): a group of ranks that
-// exchange bytes. Two implementations: MPI (dattn/mpi.hpp, library dattn_mpi) across processes,
-// and an in-process group (threads as ranks) for tests. NCCL can be a third.
+// The communicator that sequence parallelism runs over (docs/semantics.md, "Sequence parallelism"):
+// a group of ranks that exchange bytes. Two implementations: MPI (dattn/mpi.hpp, library dattn_mpi)
+// across processes, and an in-process group (threads as ranks) for tests. NCCL can be a third.
 //
 // Every collective must be called by every rank of the group in the same order; counts and
 // displacements are in bytes. A rank sends to itself through the same calls.

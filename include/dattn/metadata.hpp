@@ -45,8 +45,9 @@ struct VideoTokenSpan {
   bool operator==(const VideoTokenSpan&) const = default;
 };
 
-// Where video grids sit in a packed sequence (SPEC §9). Either the one-tail form
-// (prefix_len + latent_grid) or the span form (used_len + video_spans). Plain integers.
+// Where video grids sit in a packed sequence (docs/semantics.md, "Video token layout and
+// VIDEO_SPARSE"). Either the one-tail form (prefix_len + latent_grid) or the span form (used_len +
+// video_spans). Plain integers.
 struct VideoTokenLayout {
   std::optional<std::int64_t> prefix_len;
   std::optional<LatentGrid> latent_grid;
@@ -58,8 +59,8 @@ struct VideoTokenLayout {
   bool operator==(const VideoTokenLayout&) const = default;
 };
 
-// Mask-free view of structural suffix padding in a [real, pad] packing (SPEC §6).
-// cu_seqlens_q/k are the canonical [0, length] int32 views.
+// Mask-free view of structural suffix padding in a [real, pad] packing (docs/semantics.md, "Packed
+// padding and prefix slicing"). cu_seqlens_q/k are the canonical [0, length] int32 views.
 struct PackedPaddingMetadata {
   std::int64_t q_length = 0;
   std::int64_t kv_length = 0;
@@ -67,12 +68,13 @@ struct PackedPaddingMetadata {
   TensorView cu_seqlens_k;
 };
 
-// What a mask producer promises about attn_mask (SPEC §3).
+// What a mask producer promises about attn_mask (docs/semantics.md, "Masks").
 enum class AttentionMaskMode : std::uint8_t { none, padding, arbitrary };
 AttentionMaskMode parse_attention_mask_mode(std::string_view s);  // throws InvalidArgument
 std::string_view attention_mask_mode_name(AttentionMaskMode m);
 
-// Quantized KV storage policy (SPEC §10). None/"auto"/"float" are all `unquantized`.
+// Quantized KV storage policy (docs/semantics.md, "Paged KV"). None/"auto"/"float" are all
+// `unquantized`.
 enum class KvCacheDtype : std::uint8_t { unquantized, fp8, int8 };
 KvCacheDtype parse_kv_cache_dtype(std::string_view s);  // throws InvalidArgument
 std::string_view kv_cache_dtype_name(KvCacheDtype d);
@@ -109,10 +111,11 @@ struct AttentionMetadata {
   std::optional<TensorView> joint_value;      // [B, J, Hkv, Dv]
   JointStrategy joint_strategy = JointStrategy::front;
   Extra extra;
-  // Piecewise mixed causal/full attention (SPEC §7).
+  // Piecewise mixed causal/full attention (docs/semantics.md, "Piecewise spans and query ranges").
   std::optional<FullAttnSpans> full_attn_spans;
   std::optional<std::vector<QueryRange>> query_ranges;
-  // Global position of query row 0 / key row 0 (SPEC §2). Defaults: Skv - Sq and 0.
+  // Global position of query row 0 / key row 0 (docs/semantics.md, "Positions and causality").
+  // Defaults: Skv - Sq and 0.
   std::optional<std::int64_t> q_global_start;
   std::optional<std::int64_t> k_global_start;
   std::optional<VideoTokenLayout> video_layout;

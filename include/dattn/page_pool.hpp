@@ -1,6 +1,7 @@
-// Owning page pools for paged KV (SPEC §10): a multi-layer cache in either physical layout
-// with a page allocator, and the two ways diffusion models use it: a cached conditioning prefix
-// reused by every denoising step, and the chunk window of autoregressive video models.
+// Owning page pools for paged KV (docs/semantics.md, "Paged KV"): a multi-layer cache in either
+// physical layout with a page allocator, and the two ways diffusion models use it: a cached
+// conditioning prefix reused by every denoising step, and the chunk window of autoregressive video
+// models.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Paged KV (SPEC §10): page pools addressed through block tables.
+// Paged KV (docs/semantics.md, "Paged KV"): page pools addressed through block tables.
 #pragma once
 
 #include <cstdint>
@@ -43,17 +43,17 @@ struct PagedRow {
   std::vector<std::int32_t> block_table;
 };
 
-// Flat slot id of token position `pos` under `block_table` (SPEC §10):
+// Flat slot id of token position `pos` under `block_table` (docs/semantics.md, "Paged KV"):
 // table[pos / block_size] * block_size + pos % block_size.
 std::int64_t paged_slot(const std::vector<std::int32_t>& block_table, std::int64_t block_size,
                         std::int64_t pos);
 
 struct PagedAttentionCall;
 
-// Checks a paged call before anything is written (SPEC §10, §13): shapes and dtypes against
-// the layer (num_heads, num_kv_heads, head_size), rows with kv_start_pos + query_len <=
-// seq_len, tables long enough for seq_len with page ids inside the pool, no slot written twice,
-// causal rows ending at seq_len. Throws InvalidArgument naming the field.
+// Checks a paged call before anything is written (docs/semantics.md, "Paged KV" and "Errors"):
+// shapes and dtypes against the layer (num_heads, num_kv_heads, head_size), rows with kv_start_pos
+// + query_len <= seq_len, tables long enough for seq_len with page ids inside the pool, no slot
+// written twice, causal rows ending at seq_len. Throws InvalidArgument naming the field.
 void validate_paged_call(const PagedAttentionCall& call, std::int64_t num_heads,
                          std::int64_t num_kv_heads, std::int64_t head_size);
 
@@ -77,10 +77,10 @@ struct PagedAttentionCall {
   std::vector<PagedRow> rows;
   double softmax_scale = 1.0;
   bool causal = false;  // bottom-right inside each row
-  // Piecewise causal/full attention (SPEC §7) on a causal call: a query at a position inside
-  // span [a, e) sees every key < e that the row has (a span may reach past a row's seq_len,
-  // as when a long sequence is filled in chunks). Positions of each row's sequence; sorted,
-  // disjoint, the same for every row.
+  // Piecewise causal/full attention (docs/semantics.md, "Piecewise spans and query ranges") on a
+  // causal call: a query at a position inside span [a, e) sees every key < e that the row has (a
+  // span may reach past a row's seq_len, as when a long sequence is filled in chunks). Positions of
+  // each row's sequence; sorted, disjoint, the same for every row.
   std::vector<std::pair<std::int64_t, std::int64_t>> full_attn_spans;
 };
 

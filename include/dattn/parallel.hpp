@@ -1,8 +1,8 @@
-// Sequence parallelism (SPEC §12): the seam between the layer and the strategies, and the
-// strategies over a Communicator. Image rows are split contiguously over the ranks (any
-// lengths; shard_rows gives the usual split); joint rows are replicated on every rank. Each
-// rank calls the layer with its shard and gets its rows of the single-process result: the
-// output has the joint rows and the local rows in joint-strategy order, as on one process.
+// Sequence parallelism (docs/semantics.md, "Sequence parallelism"): the seam between the layer and
+// the strategies, and the strategies over a Communicator. Image rows are split contiguously over
+// the ranks (any lengths; shard_rows gives the usual split); joint rows are replicated on every
+// rank. Each rank calls the layer with its shard and gets its rows of the single-process result:
+// the output has the joint rows and the local rows in joint-strategy order, as on one process.
 #pragma once
 
 #include <cstdint>

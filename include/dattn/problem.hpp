@@ -15,7 +15,8 @@
 
 namespace dattn {
 
-// Features a call uses that a backend must claim (SPEC §11: "flags must be true").
+// Features a call uses that a backend must claim (docs/semantics.md, "Capabilities and selection":
+// flags must be true).
 enum class Feature : std::uint32_t {
   attention_mask = 1u << 0,           // any attn_mask that is read
   multi_doc_packed_varlen = 1u << 1,  // more than one real packed document
@@ -45,7 +46,8 @@ class FeatureSet {
 enum class PositionRule : std::uint8_t {
   full,       // no positional restriction
   causal,     // key visible iff pos(key) <= pos(query)
-  piecewise,  // causal, and rows inside a full span [a, e) see every key < e (SPEC §7)
+  piecewise,  // causal, and rows inside a full span [a, e) see every key < e (docs/semantics.md,
+              // "Piecewise spans and query ranges")
 };
 
 // The kind of dense mask a call carries. Layout contract of MaskView::view:
@@ -75,8 +77,8 @@ struct Segment {
   bool operator==(const Segment&) const = default;
 };
 
-// Joint (text) rows attached to Q, K and V without a copy (SPEC §4): row i of the
-// concatenation is joint row i (front) or local row i (rear) for i below the first part's
+// Joint (text) rows attached to Q, K and V without a copy (docs/semantics.md, "Joint tokens"): row
+// i of the concatenation is joint row i (front) or local row i (rear) for i below the first part's
 // length, and a row of the other part after it.
 struct JointRows {
   TensorView q, k, v;  // [B, J, Hq, D], [B, J, Hkv, D], [B, J, Hkv, Dv]
@@ -90,8 +92,8 @@ struct RowRef {
   std::int64_t row;
 };
 
-// Keys read through block tables (a paged call, SPEC §10): k and v of the problem are the page
-// pools [num_blocks, block_size, Hkv, D]; key j of segment s lives in page
+// Keys read through block tables (a paged call, docs/semantics.md, "Paged KV"): k and v of the
+// problem are the page pools [num_blocks, block_size, Hkv, D]; key j of segment s lives in page
 // tables[s][j / block_size], slot j % block_size.
 struct PagedKeys {
   std::int64_t block_size = 0;
@@ -120,14 +122,15 @@ struct AttentionProblem {
   std::vector<std::pair<std::int64_t, std::int64_t>> full_spans;  // sorted, for piecewise
   MaskView mask;
   // Self-attention with a key-padding mask: a query row whose own key position is masked out
-  // outputs zero (SPEC §3).
+  // outputs zero (docs/semantics.md, "Masks").
   bool zero_masked_query_rows = false;
   std::vector<Segment> segments;   // sorted by (batch, q_begin), disjoint in query rows
   double laser_input_scale = 1.0;  // 1 = off
   KvCacheDtype kv_cache_dtype = KvCacheDtype::unquantized;
   const BackendOptions* backend_options = nullptr;  // opaque per-backend slot; may be null
-  // Where video grids sit in the sequence (SPEC §9), joint rows included; null = none. Dense
-  // backends ignore it. Not part of the signature: a sparse backend keys its own caches by it.
+  // Where video grids sit in the sequence (docs/semantics.md, "Video token layout and
+  // VIDEO_SPARSE"), joint rows included; null = none. Dense backends ignore it. Not part of the
+  // signature: a sparse backend keys its own caches by it.
   const VideoTokenLayout* video_layout = nullptr;
   FeatureSet features;
   // OpenMP threads the call may use: the calling context's omp_get_max_threads(), clamped to

@@ -1,4 +1,4 @@
-// Backend registry and selection (SPEC §11).
+// Backend registry and selection (docs/semantics.md, "Capabilities and selection").
 #pragma once
 
 #include <memory>

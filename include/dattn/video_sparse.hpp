@@ -1,6 +1,7 @@
-// Block-sparse video attention (SPEC §9): the tiling of a packed sequence described by a
-// VideoTokenLayout, the block selection rules (sliding tile window, top-k, explicit maps) and
-// the options of the VIDEO_SPARSE backend. The backend itself is in backends/sparse/.
+// Block-sparse video attention (docs/semantics.md, "Video token layout and VIDEO_SPARSE"): the
+// tiling of a packed sequence described by a VideoTokenLayout, the block selection rules (sliding
+// tile window, top-k, explicit maps) and the options of the VIDEO_SPARSE backend. The backend
+// itself is in backends/sparse/.
 #pragma once
 
 #include <array>
@@ -41,11 +42,12 @@ struct VideoGrid {
   std::int64_t first_block = 0;                // its first block; tiles t-major, then h, then w
 };
 
-// The permutation of a packed sequence of `seq_len` rows into tile order (SPEC §9): the used
-// rows [0, used_len) as blocks in sequence order of their segments (dense runs chunked into
-// blocks of at most `dense_block` rows that never mix segments; each video grid cut into 3-D
-// tiles, t-major, edge tiles clipped, row-major inside a tile), then the padding rows
-// [used_len, seq_len) in their order, in no block. Built once per layout and reused.
+// The permutation of a packed sequence of `seq_len` rows into tile order (docs/semantics.md, "Video
+// token layout and VIDEO_SPARSE"): the used rows [0, used_len) as blocks in sequence order of their
+// segments (dense runs chunked into blocks of at most `dense_block` rows that never mix segments;
+// each video grid cut into 3-D tiles, t-major, edge tiles clipped, row-major inside a tile), then
+// the padding rows [used_len, seq_len) in their order, in no block. Built once per layout and
+// reused.
 class VideoTiling {
  public:
   // Throws InvalidArgument naming the video_layout field (or "tile"/"dense_block") that is
@@ -155,11 +157,12 @@ struct PooledBlocks {
 };
 PooledBlocks pool_blocks(const AttentionProblem& p, const CallTiling& t, bool with_values);
 
-// The selection a VIDEO_SPARSE call makes (SPEC §9): sliding window, top-k by pooled scores
-// (video key blocks scored pooled q . pooled k x scale, ties to the lower block; every video
-// query block keeps exactly min(topk, video blocks) of them plus every dense block; dense query
-// blocks see everything), or the caller's explicit map (validated: shape, and every query block
-// selects at least one key block). `pooled` is needed for top-k only.
+// The selection a VIDEO_SPARSE call makes (docs/semantics.md, "Video token layout and
+// VIDEO_SPARSE"): sliding window, top-k by pooled scores (video key blocks scored pooled q . pooled
+// k x scale, ties to the lower block; every video query block keeps exactly min(topk, video blocks)
+// of them plus every dense block; dense query blocks see everything), or the caller's explicit map
+// (validated: shape, and every query block selects at least one key block). `pooled` is needed for
+// top-k only.
 BlockMap select_blocks(const AttentionProblem& p, const CallTiling& t, const VideoSparseOptions& o,
                        const PooledBlocks* pooled);
 

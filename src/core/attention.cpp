@@ -134,7 +134,8 @@ struct Attention::State {
     detail::PreparedCall call = detail::prepare_call(cfg, scale, kv_heads, in, opts);
     ImplSlot* slot = &slot_for(call.problem.features);
     if (slot->backend->supports_packed_mask_free() != mask_free) {
-      // The fallback treats packed_padding differently (SPEC §6): resolve again for it.
+      // The fallback treats packed_padding differently (docs/semantics.md, "Packed padding and
+      // prefix slicing"): resolve again for it.
       opts.honour_packed_padding = slot->backend->supports_packed_mask_free();
       call = detail::prepare_call(cfg, scale, kv_heads, in, opts);
       slot = &slot_for(call.problem.features);

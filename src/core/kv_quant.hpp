@@ -1,5 +1,5 @@
-// Quantized KV storage (SPEC §10): symmetric int8 and fp8 e4m3 with one f32 scale per
-// (batch, block of kKvQuantBlockTokens tokens, head) on the dense path.
+// Quantized KV storage (docs/semantics.md, "Paged KV"): symmetric int8 and fp8 e4m3 with one f32
+// scale per (batch, block of kKvQuantBlockTokens tokens, head) on the dense path.
 #pragma once
 
 #include <cstdint>

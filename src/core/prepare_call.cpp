@@ -163,7 +163,7 @@ struct Qkv {
   i64 batch = 0, sq_local = 0, skv_local = 0, hq = 0, hkv = 0, d = 0, dv = 0;
 };
 
-// ---- Q, K, V: rank, layout, dtype, platform, heads (SPEC §1) ----
+// ---- Q, K, V: rank, layout, dtype, platform, heads (docs/semantics.md, "Tensors") ----
 Qkv check_qkv(const AttentionConfig& config, i64 num_kv_heads, const AttentionInputs& in) {
   const QkvLayout layout = config.qkv_layout;
   Qkv t;
@@ -203,7 +203,7 @@ Qkv check_qkv(const AttentionConfig& config, i64 num_kv_heads, const AttentionIn
   return t;
 }
 
-// ---- joint tokens (SPEC §4) ----
+// ---- joint tokens (docs/semantics.md, "Joint tokens") ----
 JointViews check_joint(const AttentionMetadata& meta, QkvLayout layout, const Qkv& t,
                        const PrepareOptions& options) {
   const Extra& extra = meta.extra;
@@ -261,7 +261,7 @@ struct Outputs {
   std::optional<TensorView> lse;
 };
 
-// ---- output and LSE (SPEC §1) ----
+// ---- output and LSE (docs/semantics.md, "Tensors") ----
 Outputs check_outputs(const AttentionInputs& in, QkvLayout layout, const Qkv& t, i64 sq) {
   Outputs o;
   o.out = to_bshd(in.out, layout, "out");
@@ -297,7 +297,7 @@ struct Masks {
   std::optional<TensorView> dense;            // [B|1, H|1, Sq, Skv]
 };
 
-// ---- masks (SPEC §3) ----
+// ---- masks (docs/semantics.md, "Masks") ----
 Masks check_masks(const AttentionMetadata& meta, const Qkv& t, i64 J, i64 sq, i64 skv) {
   const Extra& extra = meta.extra;
   Masks masks;
@@ -352,7 +352,7 @@ struct Varlen {
   std::vector<i64> cu_q, cu_k;
 };
 
-// ---- packed variable-length batches (SPEC §5) ----
+// ---- packed variable-length batches (docs/semantics.md, "Packed variable-length batches") ----
 Varlen check_varlen(const AttentionMetadata& meta, i64 batch, i64 sq, i64 skv) {
   const Extra& extra = meta.extra;
   const int varlen_count =
@@ -401,7 +401,8 @@ Varlen check_varlen(const AttentionMetadata& meta, i64 batch, i64 sq, i64 skv) {
   return v;
 }
 
-// ---- packed padding (SPEC §6); returns whether it is honoured ----
+// ---- packed padding (docs/semantics.md, "Packed padding and prefix slicing"); returns whether it
+// is honoured ----
 bool check_packed_padding(const AttentionMetadata& meta, const PrepareOptions& options,
                           const Varlen& varlen, i64 sq, i64 skv) {
   if (!meta.packed_padding.has_value() || !options.honour_packed_padding) return false;
@@ -436,7 +437,7 @@ bool check_packed_padding(const AttentionMetadata& meta, const PrepareOptions& o
   return true;
 }
 
-// ---- valid_kv_length (SPEC §6) ----
+// ---- valid_kv_length (docs/semantics.md, "Packed padding and prefix slicing") ----
 void check_valid_kv_length(const Extra& extra, i64 skv_local) {
   if (!extra.valid_kv_length) return;
   const i64 vl = *extra.valid_kv_length;
@@ -445,8 +446,9 @@ void check_valid_kv_length(const Extra& extra, i64 skv_local) {
                                    " must satisfy 0 < v <= Skv = " + std::to_string(skv_local));
 }
 
-// ---- positions: global starts and query ranges (SPEC §2, §7), all below kMaxPosition ----
-// Whether rows at [start, start + rows) stay below kMaxPosition (rows >= 0: no overflow).
+// ---- positions: global starts and query ranges (docs/semantics.md, "Positions and causality" and
+// "Piecewise spans and query ranges"), all below kMaxPosition ---- Whether rows at [start, start +
+// rows) stay below kMaxPosition (rows >= 0: no overflow).
 bool positions_fit(i64 start, i64 rows) {
   return start < kMaxPosition && start <= kMaxPosition - rows;
 }
@@ -501,7 +503,8 @@ std::vector<QueryRange> check_query_positions(const AttentionMetadata& meta, i64
   return ranges;
 }
 
-// ---- piecewise spans (SPEC §7): the position rule of the call ----
+// ---- piecewise spans (docs/semantics.md, "Piecewise spans and query ranges"): the position rule
+// of the call ----
 void check_full_attn_spans(const AttentionMetadata& meta, const AttentionConfig& config,
                            const std::vector<QueryRange>& ranges, i64 batch, i64 k_pos0, i64 skv,
                            AttentionProblem& p) {
@@ -542,7 +545,7 @@ void check_full_attn_spans(const AttentionMetadata& meta, const AttentionConfig&
   p.features.add(Feature::piecewise_spans);
 }
 
-// ---- laser_input_scale (SPEC §8) ----
+// ---- laser_input_scale (docs/semantics.md, "Other extra keys") ----
 void check_laser_input_scale(const Extra& extra, AttentionProblem& p) {
   if (!extra.laser_input_scale) return;
   const double f = *extra.laser_input_scale;

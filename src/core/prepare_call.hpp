@@ -11,7 +11,8 @@
 namespace dattn::detail {
 
 struct PrepareOptions {
-  // Backends without supports_packed_mask_free ignore packed_padding (SPEC §6).
+  // Backends without supports_packed_mask_free ignore packed_padding (docs/semantics.md, "Packed
+  // padding and prefix slicing").
   bool honour_packed_padding = true;
   // false: validate only; merged masks are not built (used to validate before any parallel
   // exchange).
@@ -30,7 +31,7 @@ std::vector<std::int64_t> read_int32_vector(const TensorView& t, const std::stri
 // batch dim of 1 in front). Throws InvalidArgument naming `field` for a wrong rank.
 TensorView to_bshd(const TensorView& t, QkvLayout layout, const std::string& field);
 
-// Validates `in` against `config` (SPEC §1-§8, §13) and resolves it. Throws InvalidArgument or
+// Validates `in` against `config` (docs/semantics.md) and resolves it. Throws InvalidArgument or
 // Unsupported naming the field; never writes to the output buffers.
 PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale,
                           std::int64_t num_kv_heads, const AttentionInputs& in,

@@ -1,5 +1,6 @@
-// The one validator of a VideoTokenLayout (SPEC §9), used by the layer for every backend and by
-// every reader of a layout (VIDEO_SPARSE's tiling).
+// The one validator of a VideoTokenLayout (docs/semantics.md, "Video token layout and
+// VIDEO_SPARSE"), used by the layer for every backend and by every reader of a layout
+// (VIDEO_SPARSE's tiling).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
-// AllGather-KV sequence parallelism (SPEC §12): every rank gathers all K/V and attends its own
-// query rows against them.
+// AllGather-KV sequence parallelism (docs/semantics.md, "Sequence parallelism"): every rank gathers
+// all K/V and attends its own query rows against them.
 #include <algorithm>
 #include <array>
 #include <cstdint>

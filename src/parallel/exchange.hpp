@@ -28,8 +28,9 @@ std::vector<i64> agree(Communicator& comm, std::exception_ptr error,
 void exchange_views(Communicator& comm, std::span<const TensorView> send,
                     std::span<const TensorView> recv);
 
-// Which heads each rank computes (SPEC §12): KV heads padded to a multiple of P, each rank a
-// contiguous block of Hkv_pad / P KV heads (trimmed to the real ones) and their query heads.
+// Which heads each rank computes (docs/semantics.md, "Sequence parallelism"): KV heads padded to a
+// multiple of P, each rank a contiguous block of Hkv_pad / P KV heads (trimmed to the real ones)
+// and their query heads.
 struct HeadSplit {
   std::vector<i64> kv_start, kv_count, q_start, q_count;
 };
@@ -38,7 +39,8 @@ HeadSplit split_heads(i64 hq, i64 hkv, int ranks);
 // Start of each shard when the shards of `lengths` lie one after the other.
 std::vector<i64> exclusive_offsets(std::span<const i64> lengths);
 
-// Merges a partial result into an accumulator (SPEC §12): per (b, h, row)
+// Merges a partial result into an accumulator (docs/semantics.md, "Sequence parallelism"): per (b,
+// h, row)
 //   m = max(l, lb), l' = m + log(e^(l-m) + e^(lb-m)), o' = (e^(l-m) o + e^(lb-m) ob) / (...)
 // where a side with LSE -inf contributes nothing (both -inf stay (0, -inf)) and a side with
 // LSE NaN (a poisoned row) makes the merged row NaN with LSE NaN.

@@ -1,5 +1,5 @@
-// Ring sequence parallelism (SPEC §12): queries stay, K/V blocks travel around the ring, each
-// step's partial (O, LSE) is merged into the result.
+// Ring sequence parallelism (docs/semantics.md, "Sequence parallelism"): queries stay, K/V blocks
+// travel around the ring, each step's partial (O, LSE) is merged into the result.
 #include <algorithm>
 #include <array>
 #include <limits>

@@ -1,5 +1,5 @@
-// Ulysses sequence parallelism (SPEC §12): rows -> heads all-to-all, attention on a head block
-// over the whole sequence, heads -> rows all-to-all back.
+// Ulysses sequence parallelism (docs/semantics.md, "Sequence parallelism"): rows -> heads
+// all-to-all, attention on a head block over the whole sequence, heads -> rows all-to-all back.
 #include <array>
 #include <string>
 #include <vector>

@@ -126,8 +126,9 @@ std::vector<Workload> make_workloads() {
 }
 
 // Visible (query, key) pairs of `queries` rows against `keys` keys. Non-causal: all of them.
-// Causal (bottom-right aligned, SPEC §2): row i sees min(keys, max(0, keys - queries + i + 1))
-// keys. Example: 4 queries, 4 keys -> 1 + 2 + 3 + 4 = 10 pairs; 2 queries, 4 keys -> 3 + 4 = 7.
+// Causal (bottom-right aligned, docs/semantics.md, "Positions and causality"): row i sees min(keys,
+// max(0, keys - queries + i + 1)) keys. Example: 4 queries, 4 keys -> 1 + 2 + 3 + 4 = 10 pairs; 2
+// queries, 4 keys -> 3 + 4 = 7.
 double visible_pairs(i64 queries, i64 keys, bool causal) {
   if (!causal) return double(queries) * double(keys);
   double pairs = 0;
@@ -206,7 +207,8 @@ Workload with_heads(Workload workload, std::int64_t heads) {
 //    diagonal; empty documents cost nothing);
 //  - otherwise the joint rows count as queries and keys (the layer attaches them), a padding
 //    mask removes the keys it hides, and in self-attention also the query rows it hides (their
-//    output is zero without computing, SPEC §3); cross-attention computes every query row;
+//    output is zero without computing, docs/semantics.md, "Masks"); cross-attention computes every
+//    query row;
 //  - causal: the bottom-right triangle of the valid rows and keys (visible_pairs), which
 //    treats the kept rows as one contiguous run.
 // Example: `small` = 4 * 64 * (333 * 333) * 4 heads = 113.5 MFLOP.

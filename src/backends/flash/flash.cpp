@@ -476,9 +476,9 @@ class FlashImpl final : public Impl {
     return plan;
   }
 
-  // SPEC §10: writes the rows' new K/V into their slots, then runs the same work items as a
-  // dense call with one segment per row whose keys [0, seq_len) are read through the row's
-  // block table (any block stride: either layout of a multi-layer cache).
+  // docs/semantics.md, "Paged KV": writes the rows' new K/V into their slots, then runs the same
+  // work items as a dense call with one segment per row whose keys [0, seq_len) are read through
+  // the row's block table (any block stride: either layout of a multi-layer cache).
   void forward_paged(const PagedAttentionCall& call) const override {
     const ImplConfig& c = config();
     validate_paged_call(call, c.num_heads, c.num_kv_heads, c.head_size);
@@ -521,8 +521,8 @@ class FlashImpl final : public Impl {
   }
 
  protected:
-  // kv_cache_dtype fp8/int8 on a dense call (SPEC §10): K and V are quantized per (batch,
-  // 64-token block, head) into codes (a quarter of f32's bytes), which the same kernels
+  // kv_cache_dtype fp8/int8 on a dense call (docs/semantics.md, "Paged KV"): K and V are quantized
+  // per (batch, 64-token block, head) into codes (a quarter of f32's bytes), which the same kernels
   // dequantize as they load them, as they do for quantized pages.
   void run_cpu(const Plan& base, const AttentionProblem& p) const override {
     if (p.kv_cache_dtype == KvCacheDtype::unquantized) return run_with(base, p, nullptr);

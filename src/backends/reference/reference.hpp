@@ -1,4 +1,4 @@
-// REFERENCE: the oracle. Plain loops accumulating in f64, every feature of SPEC §1-§8 and
+// REFERENCE: the oracle. Plain loops accumulating in f64, every feature of docs/semantics.md and
 // §10 (quantized KV by dequantize-then-compute, paged KV by gathering through block tables).
 // Slow on purpose; it defines correct.
 //

@@ -1,5 +1,5 @@
-// VIDEO_SPARSE options and block selection (SPEC §9): sliding tile window, top-k by mean-pooled
-// scores, explicit maps.
+// VIDEO_SPARSE options and block selection (docs/semantics.md, "Video token layout and
+// VIDEO_SPARSE"): sliding tile window, top-k by mean-pooled scores, explicit maps.
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -1,5 +1,5 @@
-// VIDEO_SPARSE: block-sparse attention over a video token layout (SPEC §9) on FLASH's
-// micro-kernels.
+// VIDEO_SPARSE: block-sparse attention over a video token layout (docs/semantics.md, "Video token
+// layout and VIDEO_SPARSE") on FLASH's micro-kernels.
 //
 // A call: tile the sequence (cached per layout), select key blocks per (batch, head, query
 // block), then for each (batch, KV head) convert that head's K and V rows once, in tile order,

@@ -1,6 +1,6 @@
-// VIDEO_SPARSE: block-sparse video attention over the VideoTokenLayout (SPEC §9), on FLASH's
-// micro-kernels. Approximate, so only an explicit choice picks it. Options: see
-// VideoSparseOptions in dattn/video_sparse.hpp.
+// VIDEO_SPARSE: block-sparse video attention over the VideoTokenLayout (docs/semantics.md, "Video
+// token layout and VIDEO_SPARSE"), on FLASH's micro-kernels. Approximate, so only an explicit
+// choice picks it. Options: see VideoSparseOptions in dattn/video_sparse.hpp.
 #pragma once
 
 #include <memory>

@@ -1,4 +1,5 @@
-// VideoTiling: the permutation of a packed sequence into tile order (SPEC §9).
+// VideoTiling: the permutation of a packed sequence into tile order (docs/semantics.md, "Video
+// token layout and VIDEO_SPARSE").
 #include <algorithm>
 #include <string>
 
