@@ -6,10 +6,13 @@ BUILD := build/$(PRESET)
 PREFIX ?= $(CURDIR)/out/install
 DATTN := build/release/tools/dattn/dattn
 
-# What the build needs from Debian (libgomp, OpenMP's runtime, comes with g++).
+# What the build needs from Debian (libgomp, OpenMP's runtime, comes with g++). The Python
+# package is built and tested for /usr/bin/python3, the interpreter Debian's python3-* serve.
 DEBIAN_PACKAGES := cmake ninja-build g++ make pkg-config clang-format \
   libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libdlpack-dev libpng-dev \
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin \
+  python3 python3-dev python3-pybind11 pybind11-dev python3-numpy python3-pytest python3-torch
+PYTHON := /usr/bin/python3
 
 # What `make fuzz` needs besides: clang with libFuzzer (compiler-rt) and LLVM's OpenMP runtime.
 FUZZ_DEBIAN_PACKAGES := clang libclang-rt-14-dev libomp-dev
@@ -41,8 +44,17 @@ build: configure
 run: build
 	$(BUILD)/tools/dattn/dattn run
 
+# CTest, then the Python suite (pytest under /usr/bin/python3, importing dattn from the build
+# tree). The sanitizer build has no Python module (a sanitized extension would need the runtime
+# preloaded into the interpreter), so there the Python suite is skipped with a message.
 test: build
 	ctest --preset $(PRESET)
+	@if [ -f $(BUILD)/python/dattn/__init__.py ]; then \
+	  echo "dattn: Python tests ($(PYTHON) -m pytest tests/python)"; \
+	  PYTHONPATH=$(CURDIR)/$(BUILD)/python $(PYTHON) -m pytest -q -p no:cacheprovider tests/python; \
+	else \
+	  echo "dattn: SKIPPED the Python tests: no Python module in $(BUILD) (sanitizer build or no pybind11)"; \
+	fi
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer.
 asan:
@@ -74,7 +86,7 @@ install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
 # Installs into a scratch prefix and builds examples/consumer against it, once through
-# find_package(dattn) and once through pkg-config.
+# find_package(dattn) and once through pkg-config; then imports the installed Python package.
 install-check:
 	rm -rf out/install-check
 	$(MAKE) install PREFIX=$(CURDIR)/out/install-check/prefix
@@ -86,6 +98,9 @@ install-check:
 	  sh -c 'g++ -std=c++20 examples/consumer/main.cpp $$(pkg-config --cflags --libs dattn) \
 	    -Wl,-rpath,$(CURDIR)/out/install-check/prefix/lib -o out/install-check/consumer-pc'
 	out/install-check/consumer-pc
+	cd /tmp && PYTHONPATH=$$(ls -d $(CURDIR)/out/install-check/prefix/lib/python3*/dist-packages) \
+	  $(PYTHON) -c "import dattn, numpy; print('installed dattn', dattn.__file__, \
+	    dattn.Attention(num_heads=1, head_size=8).forward(*[numpy.ones((1, 3, 1, 8), numpy.float32)] * 3).shape)"
 
 clean:
 	rm -rf build out

@@ -1,0 +1,256 @@
+"""The attention layer with the seed's constructor and call, on torch tensors or numpy arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+from . import _core
+from .errors import InvalidArgument, _with_field
+from .metadata import metadata_dict
+from .tensors import empty_like_input, float32_like, tensor_arg
+
+_LAYOUTS = ("BSHD", "BHSD", "THD")
+
+
+def _layout_name(qkv_layout) -> str:
+    if qkv_layout is None:
+        return "BSHD"
+    name = str(qkv_layout).upper()
+    if name not in _LAYOUTS:
+        raise _with_field(
+            InvalidArgument,
+            f"qkv_layout: '{qkv_layout}' is not valid; valid: BSHD, BHSD, THD",
+            "qkv_layout",
+        )
+    return name
+
+
+class Attention:
+    """One attention layer (the seed's AttentionImpl arguments, plus dattn's choices).
+
+    ``backend=None`` defers to ``DIFFUSION_ATTENTION_BACKEND`` and then to automatic choice
+    (FLASH on the CPU). ``backend_kwargs`` go to the backend (e.g. ``{"isa": "avx2"}`` for
+    FLASH, ``{"topk": 4}`` for VIDEO_SPARSE). ``role`` is "self" or "cross".
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        softmax_scale: Optional[float] = None,
+        causal: bool = False,
+        num_kv_heads: Optional[int] = None,
+        prefix: str = "",
+        qkv_layout: Optional[str] = None,
+        backend: Optional[str] = None,
+        backend_kwargs: Optional[dict] = None,
+        role: str = "self",
+        kv_cache_dtype: Optional[str] = None,
+        allow_fallback: bool = False,
+    ):
+        self.layout = _layout_name(qkv_layout)
+        self._layer = _core.Layer(
+            {
+                "num_heads": num_heads,
+                "head_size": head_size,
+                "softmax_scale": softmax_scale,
+                "causal": bool(causal),
+                "num_kv_heads": num_kv_heads,
+                "prefix": prefix,
+                "qkv_layout": self.layout,
+                "backend": backend or "",
+                "backend_kwargs": dict(backend_kwargs or {}),
+                "role": role,
+                "kv_cache_dtype": kv_cache_dtype,
+                "allow_fallback": bool(allow_fallback),
+            }
+        )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.causal = bool(causal)
+        self.prefix = prefix
+
+    @property
+    def backend_name(self) -> str:
+        """The backend the layer runs on (e.g. "FLASH")."""
+        return self._layer.backend_name
+
+    @property
+    def selection(self) -> str:
+        """How the backend was chosen and why others were skipped."""
+        return self._layer.selection
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._layer.num_kv_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        return self._layer.softmax_scale
+
+    def _shapes(self, query, value, joint_rows: int):
+        q, v = tuple(query.shape), tuple(value.shape)
+        if self.layout == "BSHD" and len(q) == 4 and len(v) == 4:
+            return (q[0], joint_rows + q[1], q[2], v[3]), (q[0], q[2], joint_rows + q[1])
+        if self.layout == "BHSD" and len(q) == 4 and len(v) == 4:
+            return (q[0], q[1], joint_rows + q[2], v[3]), (q[0], q[1], joint_rows + q[2])
+        if self.layout == "THD" and len(q) == 3 and len(v) == 3:
+            return (joint_rows + q[0], q[1], v[2]), (q[1], joint_rows + q[0])
+        return None, None  # the core names the tensor whose rank is wrong
+
+    def _joint_rows(self, attn_metadata) -> int:
+        if attn_metadata is None:
+            return 0
+        jq = (
+            attn_metadata.get("joint_query")
+            if isinstance(attn_metadata, dict)
+            else getattr(attn_metadata, "joint_query", None)
+        )
+        if jq is None or not hasattr(jq, "shape"):
+            return 0
+        dim = {"BSHD": 1, "BHSD": 2, "THD": 0}[self.layout]
+        return int(jq.shape[dim]) if len(jq.shape) > dim else 0
+
+    def forward(self, query, key, value, attn_metadata=None, return_lse: bool = False, out=None):
+        """Attention of `query` over `key`/`value` with the call's metadata.
+
+        Returns the output (joint rows included, in joint-strategy order), a torch.Tensor for
+        torch inputs and a numpy array for numpy inputs, in the query's dtype; with
+        ``return_lse=True`` also the f32 log-sum-exp ``[B, H, S]``. ``out=`` is written in place
+        and returned; on any error nothing is written.
+        """
+        q = tensor_arg(query, "query")
+        k = tensor_arg(key, "key")
+        v = tensor_arg(value, "value")
+        meta = metadata_dict(attn_metadata, tensor_arg)
+        out_shape, lse_shape = self._shapes(query, value, self._joint_rows(attn_metadata))
+        if out is None:
+            out = empty_like_input(out_shape if out_shape else (0,), query)
+        lse = None
+        if return_lse:
+            lse = empty_like_input(lse_shape if lse_shape else (0,), query, float32_like(query))
+        self._layer.forward_into(
+            q, k, v, meta, tensor_arg(out, "out"), None if lse is None else tensor_arg(lse, "lse")
+        )
+        return (out, lse) if return_lse else out
+
+    __call__ = forward
+
+    def forward_paged(self, call: "PagedCall"):
+        """One paged-KV call: the rows' new K/V are written into the pool's pages, then their
+        queries attend keys [0, seq_len) through their block tables. Returns the output
+        [T, H, Dv] (and the LSE [H, T] with ``call.return_lse``)."""
+        q = call.query
+        t = int(q.shape[0]) if hasattr(q, "shape") and len(q.shape) == 3 else 0
+        dv = int(call.value.shape[-1]) if hasattr(call.value, "shape") else 0
+        heads = int(q.shape[1]) if hasattr(q, "shape") and len(q.shape) == 3 else 0
+        out = call.out if call.out is not None else empty_like_input((t, heads, dv), q)
+        lse = None
+        if call.return_lse:
+            lse = empty_like_input((heads, t), q, float32_like(q))
+        self._layer.forward_paged(
+            {
+                "query": tensor_arg(q, "query"),
+                "key": tensor_arg(call.key, "key"),
+                "value": tensor_arg(call.value, "value"),
+                "out": tensor_arg(out, "out"),
+                "lse": None if lse is None else tensor_arg(lse, "lse"),
+                "layer": call.layer,
+                "rows": [
+                    {
+                        "query_len": r.query_len,
+                        "seq_len": r.seq_len,
+                        "kv_start_pos": r.kv_start_pos,
+                        "block_table": [int(x) for x in r.block_table],
+                    }
+                    for r in call.rows
+                ],
+                "softmax_scale": call.softmax_scale,
+                "causal": bool(call.causal),
+                "full_attn_spans": [(int(a), int(e)) for a, e in (call.full_attn_spans or [])],
+            },
+            call.pool._pool,
+        )
+        return (out, lse) if call.return_lse else out
+
+
+class PagePool:
+    """K/V pages of every layer (f32, bf16, f16, int8 or fp8 pages; int8/fp8 with one f32 scale
+    per page and KV head), with an allocator. Page ids are shared by all layers."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        kv_heads: int = 1,
+        head_size: int = 64,
+        value_head_size: int = 0,
+        dtype: str = "f32",
+        layers: int = 1,
+        layout: str = "layer_outermost",
+    ):
+        self._pool = _core.PagePool(
+            {
+                "num_blocks": num_blocks,
+                "block_size": block_size,
+                "kv_heads": kv_heads,
+                "head_size": head_size,
+                "value_head_size": value_head_size,
+                "dtype": dtype,
+                "layers": layers,
+                "layout": layout,
+            }
+        )
+        self.block_size = block_size
+
+    def allocate(self, pages: int) -> List[int]:
+        return list(self._pool.allocate(pages))
+
+    def free(self, pages: Sequence[int]) -> None:
+        self._pool.free([int(p) for p in pages])
+
+    @property
+    def capacity(self) -> int:
+        return self._pool.capacity
+
+    @property
+    def free_pages(self) -> int:
+        return self._pool.free_pages
+
+    @property
+    def nbytes(self) -> int:
+        return self._pool.nbytes
+
+    def read(self, page: int, slot: int, head: int, value: bool = False, layer: int = 0):
+        """The dequantized K (or V) row at (page, slot, head) of `layer`, as a list."""
+        return list(self._pool.read(layer, value, page, slot, head))
+
+
+@dataclass
+class PagedRow:
+    """One sequence of a paged call: rows [kv_start_pos, kv_start_pos + query_len) are new;
+    its queries attend keys [0, seq_len) through ``block_table``."""
+
+    query_len: int
+    seq_len: int
+    kv_start_pos: int = 0
+    block_table: Sequence[int] = ()
+
+
+@dataclass
+class PagedCall:
+    """A paged-KV call (the context the seed's forward_paged leaves opaque). query [T, Hq, D],
+    key/value [T, Hkv, D] (the new rows), rows packed along T in order."""
+
+    query: Any
+    key: Any
+    value: Any
+    rows: List[PagedRow]
+    pool: PagePool
+    layer: int = 0
+    causal: bool = False
+    softmax_scale: Optional[float] = None
+    full_attn_spans: Optional[List[Tuple[int, int]]] = None
+    out: Any = None
+    return_lse: bool = False

@@ -1,0 +1,84 @@
+"""The registry's backends as data, with the seed's capability names."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from . import _core
+from .errors import NotAvailable, _with_field
+
+
+class BackendInfo:
+    """One registered backend: its name, static capability flags (attributes, as on the seed's
+    AttentionBackend class) and probes (methods with the seed's names)."""
+
+    def __init__(self, data: dict):
+        self._data = dict(data)
+        self.name: str = data["name"]
+        self.description: str = data["description"]
+        self.priority: int = data["priority"]
+        self.exact: bool = data["exact"]
+        self.accept_output_buffer: bool = data["accept_output_buffer"]
+        self.supports_piecewise_spans: bool = data["supports_piecewise_spans"]
+        self.supports_paged_kv: bool = data["supports_paged_kv"]
+        self.supports_prefix_kv_slicing: bool = data["supports_prefix_kv_slicing"]
+        self.supports_causal: bool = data["supports_causal"]
+        self.supports_dense_attention_mask: bool = data["supports_dense_attention_mask"]
+        self.supported_platforms: Optional[tuple] = data["supported_platforms"]
+        self.dtypes: dict = dict(data["dtypes"])
+        self.available: bool = data["available"]
+        self.kv_cache_dtypes: dict = {k: set(v) for k, v in data["kv_cache_dtypes"].items()}
+
+    def get_name(self) -> str:
+        return self.name
+
+    def supports_packed_mask_free(self) -> bool:
+        return self._data["supports_packed_mask_free"]
+
+    def supports_multi_doc_packed_varlen(self) -> bool:
+        return self._data["supports_multi_doc_packed_varlen"]
+
+    def supports_attention_mask(self, attention_spec=None) -> bool:
+        del attention_spec
+        return self._data["supports_attention_mask"]
+
+    def get_supported_head_sizes(self) -> List[int]:
+        return list(self._data["supported_head_sizes"])
+
+    def supports_head_size(self, head_size: int) -> bool:
+        sizes = self.get_supported_head_sizes()
+        return (not sizes) or head_size in sizes
+
+    def indexes_kv_by_block_stride(self) -> bool:
+        return self._data["indexes_kv_by_block_stride"]
+
+    def supports_kv_cache_dtype(self, kv_cache_dtype: Optional[str], platform_key: str) -> bool:
+        if kv_cache_dtype is None or kv_cache_dtype in ("auto", "float"):
+            return True
+        return kv_cache_dtype in self.kv_cache_dtypes.get(platform_key, set())
+
+    def supports_dtype(self, dtype: str) -> bool:
+        return bool(self.dtypes.get(dtype, False))
+
+    def validate_available(self) -> None:
+        if not self.available:
+            raise _with_field(NotAvailable, self._data["unavailable_reason"], "backend")
+
+    def __repr__(self) -> str:
+        return f"BackendInfo({self.name!r}, priority={self.priority}, exact={self.exact})"
+
+
+def backends() -> List[BackendInfo]:
+    """Every registered backend, highest priority first."""
+    return [BackendInfo(d) for d in _core.backends()]
+
+
+def get_backend(name: str) -> BackendInfo:
+    """The backend called `name` (case-insensitive)."""
+    for b in backends():
+        if b.name.lower() == name.lower():
+            return b
+    from .errors import InvalidArgument
+
+    valid = ", ".join(b.name for b in backends())
+    raise _with_field(InvalidArgument, f"backend: unknown backend '{name}'; valid: {valid}", "backend")

@@ -1,0 +1,84 @@
+"""How torch tensors and numpy arrays reach dattn._core, and how outputs are made.
+
+torch.Tensor goes through DLPack (no copy, any strides). PyTorch 1.13's DLPack refuses bool
+tensors and tensors that require grad: a bool tensor is passed as its uint8 view, a tensor
+that requires grad as ``.detach()`` (the same memory; dattn is inference only). numpy arrays are
+read through ``__array_interface__`` (no copy), so read-only arrays such as ``np.broadcast_to``
+results and bool arrays need nothing special; an output must be writable.
+"""
+
+from __future__ import annotations
+
+from .errors import Unsupported, InvalidArgument, _with_field
+
+try:  # torch is optional: numpy arrays work without it
+    import torch
+except ImportError:  # pragma: no cover - Debian's python3-torch is a test dependency
+    torch = None
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
+
+
+def is_torch(x) -> bool:
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_numpy(x) -> bool:
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def check_device(x, field: str):
+    """Refuses a tensor that does not live in host memory, naming its device."""
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise _with_field(
+                Unsupported,
+                f"{field}: lives on device {x.device}; dattn's Python package computes on CPU "
+                f"tensors only (move it with .cpu())",
+                field,
+            )
+    elif hasattr(x, "__dlpack_device__") and not is_numpy(x):
+        dev = x.__dlpack_device__()
+        if int(dev[0]) != 1:  # kDLCPU
+            raise _with_field(
+                Unsupported, f"{field}: lives on DLPack device {tuple(dev)}; only CPU tensors", field
+            )
+
+
+def tensor_arg(x, field: str):
+    """What dattn._core takes for tensor `x` (argument `field`)."""
+    if is_torch(x):
+        check_device(x, field)
+        if x.requires_grad:
+            x = x.detach()
+        if x.dtype == torch.bool:
+            return (x.view(torch.uint8), "bool")
+        return x
+    if is_numpy(x):
+        return x
+    if hasattr(x, "__dlpack__"):
+        check_device(x, field)
+        return x
+    raise _with_field(
+        InvalidArgument,
+        f"{field}: expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}",
+        field,
+    )
+
+
+def empty_like_input(shape, like, dtype=None):
+    """A new tensor of `shape` of the kind of `like` (torch or numpy), `dtype` or like's."""
+    if is_torch(like):
+        return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype)
+    if is_numpy(like):
+        return np.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype)
+    raise _with_field(InvalidArgument, "query: expected a torch.Tensor or numpy.ndarray", "query")
+
+
+def float32_like(like):
+    if is_torch(like):
+        return torch.float32
+    return np.float32

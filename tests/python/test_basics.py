@@ -1,0 +1,26 @@
+"""The package imports from the build tree, finds its backends and runs a call."""
+
+import torch
+
+import dattn
+from conftest import assert_close, oracle, rand
+
+
+def test_backends_have_the_seeds_flags():
+    names = [b.name for b in dattn.backends()]
+    assert "FLASH" in names and "REFERENCE" in names
+    flash = dattn.get_backend("flash")
+    assert flash.supports_paged_kv and flash.accept_output_buffer
+    assert flash.supports_attention_mask() and flash.supports_head_size(59)
+    assert flash.supports_kv_cache_dtype("fp8", "cpu")
+    assert not flash.supports_kv_cache_dtype("fp8", "cuda")
+    assert flash.supported_platforms == ("cpu",)
+
+
+def test_forward_matches_the_oracle():
+    q, k, v = rand(2, 33, 4, 16, seed=1), rand(2, 40, 2, 16, seed=2), rand(2, 40, 2, 16, seed=3)
+    out, lse = dattn.Attention(4, 16, num_kv_heads=2).forward(q, k, v, return_lse=True)
+    want, want_lse = oracle(q, k, v)
+    assert out.dtype == torch.float32 and out.shape == (2, 33, 4, 16)
+    assert_close(out, want)
+    assert_close(lse, want_lse, what="lse")
