@@ -122,7 +122,11 @@ TensorView tensor_arg(const py::handle& obj, const std::string& field, Keep& kee
       invalid(field, "a bool tensor passed as its byte view must be uint8");
     t.dtype.code = 6;  // DLPack 1.x kDLBool, which from_dlpack reads as bool
   }
-  return from_dlpack(t);
+  try {
+    return from_dlpack(t);
+  } catch (const InvalidArgument& e) {
+    invalid(field, e.what());  // the same message, naming the argument
+  }
 }
 
 std::optional<TensorView> optional_tensor(const py::dict& d, const char* key,

@@ -1,0 +1,305 @@
+"""dattn.Attention from Python against a float64 oracle written from PyTorch's math (conftest),
+feature by feature: masks, joint tokens, packed documents, packed padding, valid_kv_length,
+piecewise spans, query ranges, GQA, layouts and strided views, dtypes, LSE, numpy inputs."""
+
+import math
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import dattn
+from conftest import assert_close, oracle, rand
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_gqa_every_dtype_with_lse(dtype, causal):
+    q, k, v = rand(2, 37, 6, 24, dtype=dtype, seed=1), rand(2, 41, 2, 24, dtype=dtype, seed=2), rand(
+        2, 41, 2, 24, dtype=dtype, seed=3
+    )
+    layer = dattn.Attention(6, 24, causal=causal, num_kv_heads=2)
+    out, lse = layer.forward(q, k, v, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 6, 37)
+    want, want_lse = oracle(q, k, v, causal_offset=41 - 37 if causal else None)
+    assert_close(out, want, dtype)
+    assert_close(lse, want_lse, torch.float32, "lse")
+
+
+def test_softmax_scale_and_value_head_size():
+    q, k, v = rand(1, 20, 2, 32, seed=1), rand(1, 20, 2, 32, seed=2), rand(1, 20, 2, 48, seed=3)
+    out = dattn.Attention(2, 32, softmax_scale=0.3).forward(q, k, v)
+    assert out.shape == (1, 20, 2, 48)
+    assert_close(out, oracle(q, k, v, scale=0.3)[0])
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("rank", [3, 4])
+def test_dense_masks(kind, rank):
+    B, S, H = 2, 30, 4
+    q, k, v = rand(B, S, H, 16, seed=1), rand(B, S, H, 16, seed=2), rand(B, S, H, 16, seed=3)
+    g = torch.Generator().manual_seed(5)
+    shape = (B, S, S) if rank == 3 else (B, 1, S, S)
+    if kind == "bool":
+        mask = torch.rand(shape, generator=g) > 0.3
+        mask[..., 0] = True
+        m4 = mask if rank == 4 else mask.unsqueeze(1)
+        want = oracle(q, k, v, visible=m4)[0]
+    else:
+        mask = torch.randn(shape, generator=g)
+        mask[..., 3] = float("-inf")
+        m4 = mask if rank == 4 else mask.unsqueeze(1)
+        want = oracle(q, k, v, bias=m4)[0]
+    out = dattn.Attention(H, 16).forward(q, k, v, dattn.AttentionMetadata(attn_mask=mask))
+    assert_close(out, want)
+
+
+def test_finfo_min_mask_attends_uniformly():
+    q, k, v = rand(1, 8, 1, 16, seed=1), rand(1, 12, 1, 16, seed=2), rand(1, 12, 1, 16, seed=3)
+    mask = torch.zeros(1, 1, 8, 12)
+    mask[0, 0, 2, :] = torch.finfo(torch.float32).min
+    out, lse = dattn.Attention(1, 16).forward(
+        q, k, v, dattn.AttentionMetadata(attn_mask=mask), return_lse=True
+    )
+    assert torch.allclose(out[0, 2, 0], v[0, :, 0].mean(0), atol=1e-5)
+    assert torch.isfinite(lse).all()
+
+
+def test_key_padding_mask_self_and_cross():
+    B, S = 2, 25
+    q, k, v = rand(B, S, 2, 16, seed=1), rand(B, S, 2, 16, seed=2), rand(B, S, 2, 16, seed=3)
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[0, 20:] = False
+    keep[1, 3] = False
+    vis = keep.view(B, 1, 1, S)
+    want = oracle(q, k, v, visible=vis)[0]
+    # self-attention: masked query rows are padding (zeros)
+    want_self = want.clone()
+    want_self[~keep] = 0
+    out = dattn.Attention(2, 16).forward(q, k, v, dattn.AttentionMetadata(attn_mask=keep))
+    assert_close(out, want_self)
+    out = dattn.Attention(2, 16, role="cross").forward(q, k, v, dattn.AttentionMetadata(attn_mask=keep))
+    assert_close(out, want)
+
+
+@pytest.mark.parametrize("strategy", ["front", "rear"])
+def test_joint_tokens(strategy):
+    B, S, J, H = 2, 20, 7, 4
+    q, k, v = rand(B, S, H, 16, seed=1), rand(B, S, H, 16, seed=2), rand(B, S, H, 16, seed=3)
+    jq, jk, jv = rand(B, J, H, 16, seed=4), rand(B, J, H, 16, seed=5), rand(B, J, H, 16, seed=6)
+    meta = dattn.AttentionMetadata(joint_query=jq, joint_key=jk, joint_value=jv, joint_strategy=strategy)
+    out, lse = dattn.Attention(H, 16).forward(q, k, v, meta, return_lse=True)
+    cat = (lambda j, x: torch.cat([j, x], 1)) if strategy == "front" else (lambda j, x: torch.cat([x, j], 1))
+    want, want_lse = oracle(cat(jq, q), cat(jk, k), cat(jv, v))
+    assert out.shape == (B, J + S, H, 16)
+    assert_close(out, want)
+    assert_close(lse, want_lse, what="lse")
+
+
+def test_packed_documents_thd():
+    lens = [5, 0, 17, 9]
+    cu = torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32)
+    T = int(cu[-1])
+    q, k, v = rand(T, 3, 16, seed=1), rand(T, 3, 16, seed=2), rand(T, 3, 16, seed=3)
+    meta = dattn.AttentionMetadata(
+        extra={"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lens), "max_seqlen_k": max(lens)}
+    )
+    out = dattn.Attention(3, 16, causal=True, qkv_layout="THD").forward(q, k, v, meta)
+    want = torch.zeros(T, 3, 16, dtype=torch.float64)
+    for d in range(len(lens)):
+        a, e = int(cu[d]), int(cu[d + 1])
+        if e > a:
+            want[a:e] = oracle(q[None, a:e], k[None, a:e], v[None, a:e], causal_offset=0)[0][0]
+    assert_close(out, want)
+
+
+def test_packed_padding_and_valid_kv_length():
+    S, used = 24, 17
+    q, k, v = rand(1, S, 2, 16, seed=1), rand(1, S, 2, 16, seed=2), rand(1, S, 2, 16, seed=3)
+    pp = dattn.PackedPaddingMetadata(
+        q_length=used,
+        kv_length=used,
+        cu_seqlens_q=torch.tensor([0, used], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, used], dtype=torch.int32),
+    )
+    out = dattn.Attention(2, 16).forward(q, k, v, dattn.AttentionMetadata(packed_padding=pp))
+    want = torch.zeros(1, S, 2, 16, dtype=torch.float64)
+    want[:, :used] = oracle(q[:, :used], k[:, :used], v[:, :used])[0]
+    assert_close(out, want)
+    out = dattn.Attention(2, 16).forward(q, k, v, dattn.AttentionMetadata(extra={"valid_kv_length": used}))
+    assert_close(out, oracle(q, k[:, :used], v[:, :used])[0])
+
+
+def test_piecewise_spans_and_query_ranges():
+    S = 30
+    q, k, v = rand(1, S, 2, 16, seed=1), rand(1, S, 2, 16, seed=2), rand(1, S, 2, 16, seed=3)
+    spans = [[(5, 12), (20, 26)]]
+    vis = torch.zeros(S, S, dtype=torch.bool)
+    for i in range(S):
+        end = i + 1
+        for a, e in spans[0]:
+            if a <= i < e:
+                end = max(end, e)
+        vis[i, :end] = True
+    out = dattn.Attention(2, 16, causal=True).forward(q, k, v, dattn.AttentionMetadata(full_attn_spans=spans))
+    assert_close(out, oracle(q, k, v, visible=vis.view(1, 1, S, S))[0])
+    # Query ranges: the last 10 queries, in two ranges, placed at global rows 20..29.
+    qt = q[:, 20:]
+    meta = dattn.AttentionMetadata(
+        query_ranges=(dattn.QueryRange(0, 4, 20), dattn.QueryRange(4, 10, 24))
+    )
+    out = dattn.Attention(2, 16, causal=True).forward(qt, k, v, meta)
+    assert_close(out, oracle(qt, k, v, causal_offset=20)[0])
+
+
+def test_bhsd_views_and_strided_inputs_without_copies():
+    B, H, S, D = 2, 4, 19, 16
+    qkv = rand(B, S, 3, H, D, seed=1)  # a fused projection: q, k, v are strided views of it
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert not q.is_contiguous()
+    want = oracle(q, k, v)[0]
+    out = dattn.Attention(H, D).forward(q, k, v)
+    assert_close(out, want)
+    # BHSD views of the same memory, written into a caller's strided buffer.
+    big = torch.full((B, S, H, 2 * D), 7.0)
+    out_view = big[..., :D].transpose(1, 2)  # [B, H, S, D], not contiguous
+    got = dattn.Attention(H, D, qkv_layout="BHSD").forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out=out_view
+    )
+    assert got is out_view
+    assert_close(big[..., :D], want)
+    assert torch.all(big[..., D:] == 7.0)  # nothing written outside the view
+
+
+def test_numpy_inputs_read_only_and_bool_masks():
+    q, k, v = (rand(1, 12, 2, 8, seed=s).numpy() for s in (1, 2, 3))
+    keep = np.ones((1, 2, 12, 12), dtype=bool)
+    keep[..., 5] = False
+    mask = np.broadcast_to(keep[:, :1], (1, 2, 12, 12))  # read-only, stride 0
+    assert not mask.flags.writeable
+    q.setflags(write=False)
+    out = dattn.Attention(2, 8).forward(q, k, v, dattn.AttentionMetadata(attn_mask=mask))
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    want = oracle(torch.from_numpy(q.copy()), torch.from_numpy(k), torch.from_numpy(v),
+                  visible=torch.from_numpy(keep))[0]
+    assert_close(torch.from_numpy(out), want)
+    with pytest.raises(dattn.InvalidArgument):
+        dattn.Attention(2, 8).forward(q, k, v, out=q)  # a read-only output
+
+
+def test_tensors_that_require_grad_are_read_without_copy():
+    q = rand(1, 10, 2, 8, seed=1).requires_grad_()
+    k, v = rand(1, 10, 2, 8, seed=2), rand(1, 10, 2, 8, seed=3)
+    out = dattn.Attention(2, 8).forward(q, k, v)
+    assert not out.requires_grad
+    assert_close(out, oracle(q, k, v)[0])
+
+
+def test_out_is_written_in_place_and_untouched_on_error():
+    q, k, v = rand(1, 10, 2, 8, seed=1), rand(1, 10, 2, 8, seed=2), rand(1, 10, 2, 8, seed=3)
+    out = torch.full((1, 10, 2, 8), 3.0)
+    assert dattn.Attention(2, 8).forward(q, k, v, out=out) is out
+    assert_close(out, oracle(q, k, v)[0])
+    before = torch.full((1, 10, 2, 8), 3.0)
+    out.copy_(before)
+    bad = [
+        (dict(attn_metadata=dattn.AttentionMetadata(joint_query=q)), "joint_key"),
+        (dict(attn_metadata=dattn.AttentionMetadata(extra={"valid_kv_length": 11})), "valid_kv_length"),
+        (dict(attn_metadata=dattn.AttentionMetadata(joint_strategy="middle",
+                                                   joint_query=q, joint_key=k, joint_value=v)), None),
+        (dict(attn_metadata=dattn.AttentionMetadata(attn_mask=torch.zeros(1, 10))), "attn_mask"),
+        (dict(attn_metadata=dattn.AttentionMetadata(
+            extra={"cu_seqlens_q": torch.tensor([0, 4], dtype=torch.int32)})), None),
+        (dict(attn_metadata=dattn.AttentionMetadata(full_attn_spans=[[(5, 3)]])), "full_attn_spans"),
+        (dict(attn_metadata=dattn.AttentionMetadata(query_ranges=(dattn.QueryRange(1, 10, 0),))),
+         "query_ranges"),
+    ]
+    for kwargs, field in bad:
+        with pytest.raises(dattn.InvalidArgument) as e:
+            dattn.Attention(2, 8).forward(q, k, v, out=out, **kwargs)
+        if field:
+            assert e.value.field == field and field in str(e.value)
+        assert torch.equal(out, before)
+    with pytest.raises(dattn.InvalidArgument, match="num_kv_heads|heads"):
+        dattn.Attention(3, 8, num_kv_heads=2)
+
+
+def test_wrong_dtype_and_device_are_refused_with_a_message():
+    q, k, v = rand(1, 4, 1, 8, seed=1), rand(1, 4, 1, 8, seed=2), rand(1, 4, 1, 8, seed=3)
+    with pytest.raises(dattn.InvalidArgument, match="query"):
+        dattn.Attention(1, 8).forward(q.double(), k, v)
+    meta_q = torch.empty(1, 4, 1, 8, device="meta")
+    with pytest.raises(dattn.Unsupported, match="meta"):
+        dattn.Attention(1, 8).forward(meta_q, k, v)
+
+    class CudaLooking:
+        shape = (1, 4, 1, 8)
+
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+        def __dlpack__(self, stream=None):
+            raise AssertionError("must not be read")
+
+    with pytest.raises(dattn.Unsupported, match="device"):
+        dattn.Attention(1, 8).forward(CudaLooking(), k, v)
+
+
+def test_two_python_threads_run_two_layers_at_once():
+    inputs = [tuple(rand(1, 300, 4, 32, seed=10 * t + s) for s in range(3)) for t in range(2)]
+    layers = [dattn.Attention(4, 32, causal=t == 1) for t in range(2)]
+    single = [layers[t].forward(*inputs[t]) for t in range(2)]
+    results = [None, None]
+
+    def work(t):
+        for _ in range(5):
+            results[t] = layers[t].forward(*inputs[t])
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for t in range(2):
+        assert torch.equal(results[t], single[t])
+
+
+def test_backend_choice_and_environment():
+    assert dattn.Attention(1, 8, backend="reference").backend_name == "REFERENCE"
+    with pytest.raises(dattn.InvalidArgument, match="FLASH"):
+        dattn.Attention(1, 8, backend="nonesuch")
+    env = dict(os.environ, DIFFUSION_ATTENTION_BACKEND="REFERENCE")
+    code = "import dattn; print(dattn.Attention(1, 8).backend_name)"
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert got.stdout.strip() == "REFERENCE", got.stderr
+    q, k, v = rand(1, 9, 2, 8, seed=1), rand(1, 9, 2, 8, seed=2), rand(1, 9, 2, 8, seed=3)
+    for isa in ("portable",):
+        out = dattn.Attention(2, 8, backend="FLASH", backend_kwargs={"isa": isa}).forward(q, k, v)
+        assert_close(out, oracle(q, k, v)[0])
+
+
+def test_forward_paged_over_a_page_pool():
+    pool = dattn.PagePool(num_blocks=8, block_size=4, kv_heads=2, head_size=16)
+    table = pool.allocate(5)[::-1]
+    T, H = 18, 4
+    q, k, v = rand(T, H, 16, seed=1), rand(T, 2, 16, seed=2), rand(T, 2, 16, seed=3)
+    layer = dattn.Attention(H, 16, num_kv_heads=2)
+    call = dattn.PagedCall(q, k, v, rows=[dattn.PagedRow(T, T, 0, table)], pool=pool, return_lse=True)
+    out, lse = layer.forward_paged(call)
+    want, want_lse = oracle(q[None], k[None], v[None])
+    assert_close(out, want[0])
+    assert_close(lse, want_lse[0], what="lse")
+    assert pool.read(table[1], 2, 1) == pytest.approx(k[6, 1].tolist())
+    # A later step rewrites the last 6 rows and attends the cached prefix.
+    k2, v2, q2 = rand(6, 2, 16, seed=7), rand(6, 2, 16, seed=8), rand(6, H, 16, seed=9)
+    out2 = layer.forward_paged(dattn.PagedCall(q2, k2, v2, [dattn.PagedRow(6, T, T - 6, table)], pool))
+    kk, vv = torch.cat([k[: T - 6], k2]), torch.cat([v[: T - 6], v2])
+    assert_close(out2, oracle(q2[None], kk[None], vv[None])[0][0])
+    with pytest.raises(dattn.InvalidArgument):
+        layer.forward_paged(dattn.PagedCall(q2, k2, v2, [dattn.PagedRow(6, 40, 34, table)], pool))
