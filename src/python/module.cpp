@@ -101,13 +101,8 @@ TensorView tensor_arg(const py::handle& obj, const std::string& field, Keep& kee
   if (!py::hasattr(obj, "__dlpack__"))
     invalid(field, "expected a torch.Tensor or numpy.ndarray, got " +
                        std::string(py::str(py::type::of(obj))));
-  if (py::hasattr(obj, "__dlpack_device__")) {
-    const auto dev = obj.attr("__dlpack_device__")().cast<std::pair<int, int>>();
-    if (dev.first != kDLCPU)
-      throw Unsupported(field, field + ": lives on device " + device_of(obj) +
-                                   "; dattn's Python package computes on CPU tensors only "
-                                   "(move it with .cpu())");
-  }
+  // The device is checked on the DLTensor, not through __dlpack_device__ (4 us per call in
+  // PyTorch 1.13, a fifth of a small call); the Python layer refuses non-CPU tensors first.
   py::object capsule = obj.attr("__dlpack__")();
   keep.push_back(capsule);
   keep.push_back(py::reinterpret_borrow<py::object>(obj));
@@ -117,6 +112,10 @@ TensorView tensor_arg(const py::handle& obj, const std::string& field, Keep& kee
     invalid(field, "its __dlpack__ capsule was already used");
   }
   DLTensor t = managed->dl_tensor;
+  if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDAHost)
+    throw Unsupported(field, field + ": lives on device " + device_of(obj) +
+                                 "; dattn's Python package computes on CPU tensors only "
+                                 "(move it with .cpu())");
   if (as_bool) {
     if (t.dtype.code != kDLUInt || t.dtype.bits != 8)
       invalid(field, "a bool tensor passed as its byte view must be uint8");
