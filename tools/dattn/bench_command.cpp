@@ -6,6 +6,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "bar_chart.hpp"
 #include "commands.hpp"
 #include "measurement.hpp"
 
@@ -13,95 +14,24 @@ namespace dattn::cli {
 
 namespace {
 
-std::string escape_xml(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '&':
-        out += "&amp;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
-
-// Bars of GFLOP/s, one group per (workload, dtype), one bar per backend, each labelled with its
-// percent of the machine's peak; the peak is drawn as a dashed line per group.
+// Bars of GFLOP/s grouped by workload, one colour per (backend, dtype, engine), each labelled
+// with its percent of the peak of the engine that computed it (drawn as a dashed tick).
 std::string svg_chart(const std::vector<RunReport>& reports) {
-  struct Group {
-    std::string label;
-    double peak = 0;
-    std::vector<const RunReport*> bars;
-  };
-  std::vector<Group> groups;
-  std::vector<std::string> backends;
-  double top = 1;
+  std::vector<ChartBar> bars;
+  int threads = 0;
   for (const RunReport& r : reports) {
-    const std::string label = r.workload + " " + r.dtype;
-    auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const Group& g) { return g.label == label; });
-    if (it == groups.end()) it = groups.insert(groups.end(), Group{label, r.peak_gflops, {}});
-    it->bars.push_back(&r);
-    it->peak = std::max(it->peak, r.peak_gflops);
-    if (std::find(backends.begin(), backends.end(), r.backend) == backends.end())
-      backends.push_back(r.backend);
-    top = std::max({top, r.gflops, r.peak_gflops});
+    std::ostringstream pct, tip;
+    pct << std::fixed << std::setprecision(0) << 100 * r.efficiency << "%";
+    tip << r.backend << " " << r.dtype << " on " << r.workload << ": " << std::fixed
+        << std::setprecision(1) << r.gflops << " GFLOP/s, " << 100 * r.efficiency << "% of "
+        << r.peak_gflops << " (" << r.engine << "), " << std::setprecision(4) << r.seconds << " s";
+    bars.push_back({r.workload, r.backend + " " + r.dtype + " (" + r.engine + ")", r.gflops,
+                    r.peak_gflops, pct.str(), tip.str()});
+    threads = std::max(threads, r.threads);
   }
-  const char* colours[] = {"#3465a4", "#f57900", "#4e9a06", "#75507b", "#c4a000", "#cc0000"};
-  const int bar = 36, gap = 30, left = 70, chart_h = 300, top_margin = 40;
-  std::size_t most = 1;
-  for (const Group& g : groups) most = std::max(most, g.bars.size());
-  const int group_w = int(most) * bar + gap;
-  const int width = left + int(groups.size()) * group_w + 160;
-  const int height = top_margin + chart_h + 80;
-  const auto y_of = [&](double v) { return top_margin + chart_h - int(v / top * chart_h); };
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(1);
-  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-     << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-     << "<text x=\"" << left
-     << "\" y=\"20\" font-size=\"15\">dattn bench: GFLOP/s (label: % of "
-        "measured peak; dashed: peak)</text>\n";
-  for (int t = 0; t <= 4; ++t) {
-    const double v = top * t / 4;
-    os << "<line x1=\"" << left << "\" x2=\"" << width - 150 << "\" y1=\"" << y_of(v) << "\" y2=\""
-       << y_of(v) << "\" stroke=\"#ddd\"/>\n<text x=\"" << left - 8 << "\" y=\"" << y_of(v) + 4
-       << "\" text-anchor=\"end\">" << v << "</text>\n";
-  }
-  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
-    const Group& g = groups[gi];
-    const int x0 = left + int(gi) * group_w + gap / 2;
-    for (std::size_t bi = 0; bi < g.bars.size(); ++bi) {
-      const RunReport& r = *g.bars[bi];
-      const auto colour = std::find(backends.begin(), backends.end(), r.backend) - backends.begin();
-      const int x = x0 + int(bi) * bar;
-      os << "<rect x=\"" << x << "\" y=\"" << y_of(r.gflops) << "\" width=\"" << bar - 4
-         << "\" height=\"" << top_margin + chart_h - y_of(r.gflops) << "\" fill=\""
-         << colours[colour % 6] << "\"><title>" << escape_xml(r.backend + " " + g.label)
-         << "</title></rect>\n<text x=\"" << x + (bar - 4) / 2 << "\" y=\"" << y_of(r.gflops) - 4
-         << "\" text-anchor=\"middle\" font-size=\"10\">" << 100 * r.efficiency << "%</text>\n";
-    }
-    os << "<line x1=\"" << x0 - 4 << "\" x2=\"" << x0 + int(g.bars.size()) * bar << "\" y1=\""
-       << y_of(g.peak) << "\" y2=\"" << y_of(g.peak)
-       << "\" stroke=\"#555\" stroke-dasharray=\"4 3\"/>\n<text x=\"" << x0 << "\" y=\""
-       << top_margin + chart_h + 16 << "\">" << escape_xml(g.label) << "</text>\n";
-  }
-  for (std::size_t bi = 0; bi < backends.size(); ++bi)
-    os << "<rect x=\"" << width - 140 << "\" y=\"" << top_margin + 20 * int(bi)
-       << "\" width=\"12\" height=\"12\" fill=\"" << colours[bi % 6] << "\"/>\n<text x=\""
-       << width - 122 << "\" y=\"" << top_margin + 20 * int(bi) + 11 << "\">"
-       << escape_xml(backends[bi]) << "</text>\n";
-  os << "</svg>\n";
-  return os.str();
+  const std::string title = "dattn bench: GFLOP/s on " + std::to_string(threads) +
+                            " thread(s); labels: % of the computing engine's peak";
+  return bar_chart(title, "GFLOP/s", bars).svg;
 }
 
 // GFLOP/s of a sparse backend count the work it does (the selected blocks); "sparsity" is the

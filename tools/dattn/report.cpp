@@ -31,6 +31,7 @@ nlohmann::json to_json(const RunReport& r) {
   j["gflops"] = finite_or_null(r.gflops);
   j["peak_gflops"] = r.peak_gflops;
   j["peak_kind"] = r.peak_kind;
+  j["engine"] = r.engine;
   j["efficiency"] = finite_or_null(r.efficiency);
   j["checked_rows"] = r.check ? r.check->rows : 0;
   j["max_abs_err"] = r.check ? finite_or_null(r.check->max_abs_err) : nlohmann::json(nullptr);
@@ -81,6 +82,7 @@ void print_text(std::ostream& os, const RunReport& r) {
   label("rate") << std::setprecision(2) << r.gflops << " GFLOP/s of " << r.peak_gflops << " peak ("
                 << r.peak_kind << "): " << std::setprecision(2) << 100.0 * r.efficiency
                 << "% efficiency\n";
+  if (!r.engine.empty()) label("engine") << r.engine << '\n';
   if (r.check) {
     label("accuracy") << std::scientific << std::setprecision(3) << "max abs err "
                       << r.check->max_abs_err << ", max rel err " << r.check->max_rel_err

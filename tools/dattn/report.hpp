@@ -35,7 +35,8 @@ struct RunReport {
   double seconds = 0;  // the best timed forward call (after a warm-up call)
   double gflops = 0;
   double peak_gflops = 0;         // the machine's measured peak for the dtype over `threads`
-  std::string peak_kind;          // "f32_fma" or "bf16_dot"
+  std::string peak_kind;          // the engine's peak: "f32_fma" (every engine today)
+  std::string engine;             // what computed the call, e.g. "f32 FMA avx2", "f64 scalar"
   double efficiency = 0;          // gflops / peak_gflops
   std::optional<RowCheck> check;  // absent with --check-rows 0
   // Sparse (approximate) backends: `check` is against REFERENCE under the backend's own block
