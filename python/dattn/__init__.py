@@ -19,7 +19,7 @@ from .metadata import (
     VideoTokenSpan,
 )
 from .attention import Attention, PagedCall, PagedRow, PagePool
-from .backends import BackendInfo, backends, get_backend
+from .backends import BackendInfo, backends, cpu_info, get_backend, measure_peak_gflops
 
 __version__ = "0.1.0"
 
@@ -39,5 +39,7 @@ __all__ = [
     "VideoTokenLayout",
     "VideoTokenSpan",
     "backends",
+    "cpu_info",
     "get_backend",
+    "measure_peak_gflops",
 ]

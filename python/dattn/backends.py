@@ -82,3 +82,16 @@ def get_backend(name: str) -> BackendInfo:
 
     valid = ", ".join(b.name for b in backends())
     raise _with_field(InvalidArgument, f"backend: unknown backend '{name}'; valid: {valid}", "backend")
+
+
+def cpu_info() -> dict:
+    """The CPU as dattn sees it: vendor, brand, logical CPUs, the feature flags the OS enables
+    (e.g. ["avx2", "fma", "f16c"]) and the thread limit. FLASH's instruction set is chosen from
+    these; ``backend_kwargs={"isa": "avx2"}`` caps it for one layer."""
+    return dict(_core.cpu_info())
+
+
+def measure_peak_gflops(threads: int = 0, seconds: float = 0.2) -> dict:
+    """The machine's measured f32 FMA (and bf16 dot, where present) peak over `threads`
+    threads (0 = every CPU), as `dattn info` reports it."""
+    return dict(_core.measure_peak_gflops(threads, seconds))

@@ -527,6 +527,32 @@ PYBIND11_MODULE(_core, m) {
         return row;
       });
 
+  m.def("cpu_info", [] {
+    const CpuFeatures& f = cpu_features();
+    py::dict d;
+    d["vendor"] = f.vendor;
+    d["brand"] = f.brand;
+    d["logical_cpus"] = f.logical_cpus;
+    d["features"] = f.names();
+    d["max_threads"] = kMaxThreads;
+    return d;
+  });
+  m.def(
+      "measure_peak_gflops",
+      [](int threads, double seconds) {
+        PeakGflops p;
+        {
+          py::gil_scoped_release release;
+          p = measure_peak_gflops(threads, seconds);
+        }
+        py::dict d;
+        d["f32_fma"] = p.f32_fma;
+        d["bf16_dot"] = p.bf16_dot ? py::cast(*p.bf16_dot) : py::none();
+        d["threads"] = p.threads;
+        d["isa"] = p.isa;
+        return d;
+      },
+      py::arg("threads") = 0, py::arg("seconds") = 0.2);
   m.def("backends", [] {
     py::list out;
     for (const auto& b : Registry::global().all()) out.append(backend_info(*b));

@@ -24,3 +24,13 @@ def test_forward_matches_the_oracle():
     assert out.dtype == torch.float32 and out.shape == (2, 33, 4, 16)
     assert_close(out, want)
     assert_close(lse, want_lse, what="lse")
+
+
+def test_cpu_info_and_thread_limit():
+    info = dattn.cpu_info()
+    assert info["logical_cpus"] >= 1 and info["max_threads"] == 1024
+    assert isinstance(info["features"], list)
+    import pytest
+
+    with pytest.raises(dattn.InvalidArgument, match="1024"):
+        dattn.measure_peak_gflops(100000)
