@@ -17,8 +17,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
-#include <mutex>
 #include <numbers>
+#include <optional>
 #include <sstream>
 #include <variant>
 #include <vector>
@@ -29,6 +29,7 @@
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
 #include "core/threads.hpp"
+#include "core/workspace_pool.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/paged.hpp"
 
@@ -91,12 +92,13 @@ class FlashPlan final : public Plan {
   std::vector<PaddingRows> padding;
   std::size_t scratch_floats = 0;
   // Split-KV, when there are fewer query blocks than threads: partial results of
-  // `partial_rows` rows x (dv + 2) floats per slot, merged by groups. Guarded by the mutex so
-  // that two concurrent runs of one plan do not share them.
+  // `partial_rows` rows x (dv + 2) floats per slot (`partial_floats` in all), merged by groups.
+  // Each run leases its own partials from the pool, so concurrent runs of one plan neither
+  // share nor wait for them.
   std::vector<MergeGroup> merges;
   i64 partial_rows = 0;
-  mutable std::vector<float> partials;
-  mutable std::mutex partials_mutex;
+  std::size_t partial_floats = 0;
+  mutable detail::WorkspacePool<std::vector<float>> partials;
 };
 
 // Per-thread scratch carved out of one buffer (padded strides: see kStridePad).
@@ -145,9 +147,11 @@ class Worker {
  public:
   // `quantized`: K and V (and the joint ones) of `p` are int8/fp8 codes of a dense call with
   // kv_cache_dtype fp8/int8, scaled per (batch, 64-token block, head): {k, v, joint k, joint v}.
+  // `partials`: this run's split-KV partial slots (plan.partial_floats floats), if any.
   Worker(const AttentionProblem& p, const FlashPlan& plan,
-         const std::array<const detail::QuantizedKv*, 4>* quantized = nullptr)
-      : p_(p), plan_(plan), kk_(plan.kernels), quantized_(quantized) {
+         const std::array<const detail::QuantizedKv*, 4>* quantized = nullptr,
+         float* partials = nullptr)
+      : p_(p), plan_(plan), kk_(plan.kernels), quantized_(quantized), partials_(partials) {
     // laser_input_scale f: (q / f)(k / f)(scale f^2) = q k scale and (v / f) f = v, exactly
     // for powers of two; in f32 nothing overflows, so the factor cancels out here.
     qscale_ = static_cast<float>(p.softmax_scale);
@@ -205,7 +209,7 @@ class Worker {
     }
 
     if (w.partial >= 0) {
-      float* slot = plan_.partials.data() + w.partial * plan_.partial_rows * (p_.dv + 2);
+      float* slot = partials_ + w.partial * plan_.partial_rows * (p_.dv + 2);
       for (i64 r = 0; r < rows; ++r) {
         float* row = slot + r * (p_.dv + 2);
         std::copy(s.o + r * s.ld_o, s.o + r * s.ld_o + p_.dv, row);
@@ -227,7 +231,7 @@ class Worker {
     const Segment& seg = p_.segments[w.segment];
     const i64 nq = w.q1 - w.q0, rows = nq * (w.h1 - w.h0), width = p_.dv + 2;
     const auto part = [&](i64 sp, i64 r) {
-      return plan_.partials.data() + ((g.first_partial + sp) * plan_.partial_rows + r) * width;
+      return partials_ + ((g.first_partial + sp) * plan_.partial_rows + r) * width;
     };
     for (i64 r = 0; r < rows; ++r) {
       float m = kNegInf;
@@ -392,6 +396,7 @@ class Worker {
   const TileKernels& kk_;
   const OutputRows out_{p_, kk_};
   const std::array<const detail::QuantizedKv*, 4>* quantized_;
+  float* partials_;
   float qscale_ = 1;
 };
 
@@ -457,7 +462,7 @@ class FlashImpl final : public Impl {
       if (!plan->merges.empty()) {
         plan->partial_rows = plan->block.heads * plan->block.rows_per_head;
         const i64 slots = plan->merges.back().first_partial + plan->merges.back().splits;
-        plan->partials.assign(std::size_t(slots * plan->partial_rows * (p.dv + 2)), 0.0f);
+        plan->partial_floats = std::size_t(slots * plan->partial_rows * (p.dv + 2));
       }
     }
     // Rows outside every segment are padding.
@@ -546,12 +551,15 @@ class FlashImpl final : public Impl {
   void run_with(const Plan& base, const AttentionProblem& p,
                 const std::array<const detail::QuantizedKv*, 4>* quantized) const {
     const auto& plan = static_cast<const FlashPlan&>(base);
-    const Worker worker(p, plan, quantized);
+    std::optional<detail::WorkspacePool<std::vector<float>>::Lease> partials;
+    if (!plan.merges.empty()) {
+      partials.emplace(plan.partials.acquire());
+      if ((*partials)->size() < plan.partial_floats) (*partials)->resize(plan.partial_floats);
+    }
+    const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr);
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
     const auto count = static_cast<i64>(plan.items.size());
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
-    std::unique_lock<std::mutex> partials_lock(plan.partials_mutex, std::defer_lock);
-    if (!plan.merges.empty()) partials_lock.lock();
     const auto merges = static_cast<i64>(plan.merges.size());
 #pragma omp parallel num_threads(threads)
     {

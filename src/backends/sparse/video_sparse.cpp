@@ -28,6 +28,7 @@
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
+#include "core/workspace_pool.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/video_sparse.hpp"
 
@@ -366,9 +367,11 @@ class VideoSparseImpl final : public Impl {
       pooled = pool_blocks(p, t, o.gate.has_value());
     const BlockMap map = select_blocks(p, t, o, pooled ? &*pooled : nullptr);
 
-    std::lock_guard lock(buffer_mutex_);  // the packed K/V buffer of this impl
+    // This call's packed K/V buffer, leased from the layer's pool: concurrent calls on one
+    // layer each get their own and never wait for each other's.
+    const auto lease = packed_.acquire();
     const i64 used_k = t.keys.used_len();
-    float* packed = packed_.get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
+    float* packed = lease->get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
     Call call{
         p,  plan, t,  map, pooled ? &*pooled : nullptr, o.gate, packed, packed + used_k * plan.ld_k,
         {}, {},   {}, 1.0f};
@@ -465,8 +468,7 @@ class VideoSparseImpl final : public Impl {
   flash::Isa isa_;
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
-  mutable std::mutex buffer_mutex_;
-  mutable PackedBuffer packed_;
+  mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call
 };
 
 class VideoSparseBackend final : public Backend {
