@@ -20,6 +20,7 @@ from .metadata import (
 )
 from .attention import Attention, PagedCall, PagedRow, PagePool
 from .backends import BackendInfo, backends, get_backend
+from .sdpa import patch_torch_sdpa, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
@@ -40,4 +41,6 @@ __all__ = [
     "VideoTokenSpan",
     "backends",
     "get_backend",
+    "patch_torch_sdpa",
+    "scaled_dot_product_attention",
 ]
