@@ -75,11 +75,27 @@ def _layer(heads: int, kv_heads: int, head_size: int, causal: bool, scale) -> At
     return layer
 
 
+_COMPUTED = ("float32", "bfloat16", "float16")
+
+
 def _check_torch(x, name: str):
+    """`x` must be a torch.Tensor of a dtype dattn computes (bool too for the mask)."""
     if torch is None or not isinstance(x, torch.Tensor):
         raise _with_field(
             InvalidArgument, f"{name}: expected a torch.Tensor, got {type(x).__name__}", name
         )
+    dtype = str(x.dtype).replace("torch.", "")
+    if dtype in _COMPUTED or (name == "attn_mask" and dtype == "bool"):
+        return
+    if x.dtype.is_floating_point:  # float64: PyTorch computes it, dattn does not
+        raise _with_field(
+            Unsupported,
+            f"{name}: dtype {dtype} is not computed by dattn; valid: float32, bfloat16, float16"
+            + (" (or bool)" if name == "attn_mask" else ""),
+            name,
+        )
+    valid = "bool or float32, bfloat16, float16" if name == "attn_mask" else "a float dtype"
+    raise _error(f"{name}: dtype {dtype} is not valid; expected {valid}", name)
 
 
 def _to_4d(x):

@@ -244,6 +244,23 @@ def test_errors_are_runtime_errors_and_invalid_arguments(call):
     assert str(info.value)
 
 
+def test_dtypes_dattn_does_not_compute_are_named():
+    q, k, v = qkv()
+    with pytest.raises(dattn.Unsupported, match="query: dtype float64"):
+        dattn.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    with pytest.raises(dattn.Unsupported, match="attn_mask: dtype float64"):
+        dattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(24, 24).double())
+    with pytest.raises(RuntimeError, match="attn_mask: dtype uint8"):
+        dattn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(24, 24).to(torch.uint8))
+    with pytest.raises(dattn.InvalidArgument, match="key: expected a torch.Tensor"):
+        dattn.scaled_dot_product_attention(q, k.numpy(), v)
+    half_mask = torch.randn(24, 24).to(torch.float16)  # a mask of another float dtype is read
+    assert_close(
+        dattn.scaled_dot_product_attention(q, k, v, attn_mask=half_mask),
+        sdpa_oracle(q, k, v, attn_mask=half_mask),
+    )
+
+
 def test_the_error_class_is_both():
     assert issubclass(SdpaError, RuntimeError) and issubclass(SdpaError, ValueError)
     assert issubclass(SdpaError, dattn.InvalidArgument) and issubclass(SdpaError, dattn.Error)
