@@ -247,10 +247,13 @@ _MISSING = object()
 
 
 class _PatchState:
-    """The patch's shared state: how many handles are active and what they replaced."""
+    """The patch's shared state: how many handles of the current installation are active,
+    what the installation replaced, and which installation is current (handles of an earlier
+    one, replaced by another patch since, no longer restore anything)."""
 
     depth = 0
     saved = _MISSING
+    generation = 0
 
 
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -291,7 +294,7 @@ def _make_wrapper(original: Optional[Callable]) -> Callable:
         "dattn cannot serve go to PyTorch's own implementation"
         + (" (present)." if original is not None else " (absent in this PyTorch).")
     )
-    sdpa.__wrapped__ = original
+    sdpa._dattn_original = original
     sdpa._dattn_patch = True
     return sdpa
 
@@ -304,11 +307,14 @@ class SdpaPatch:
 
     def __init__(self):
         self.active = True
+        self._generation = _PatchState.generation
 
     def undo(self) -> None:
         if not self.active:
             return
         self.active = False
+        if self._generation != _PatchState.generation:
+            return  # an earlier installation, replaced since: nothing of it is left to restore
         _PatchState.depth -= 1
         if _PatchState.depth > 0:
             return
@@ -351,8 +357,10 @@ def patch_torch_sdpa() -> SdpaPatch:
     functional = torch.nn.functional
     current = getattr(functional, "scaled_dot_product_attention", _MISSING)
     if _PatchState.depth == 0 or not getattr(current, "_dattn_patch", False):
-        if getattr(current, "_dattn_patch", False):
-            current = current.__wrapped__ or _MISSING  # a stale patch: wrap what it wrapped
+        # A new installation (none active, or someone replaced dattn's since).
+        if getattr(current, "_dattn_patch", False):  # a stale dattn patch: wrap what it wrapped
+            current = current._dattn_original or _MISSING
+        _PatchState.generation += 1
         _PatchState.saved = current
         _PatchState.depth = 0
         functional.scaled_dot_product_attention = _make_wrapper(

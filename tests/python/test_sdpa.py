@@ -354,6 +354,29 @@ def test_patch_deletes_the_attribute_where_there_was_none(monkeypatch):
     assert not hasattr(F, _NAME)
 
 
+def test_patch_over_someone_elses_patch(monkeypatch):
+    """Someone replaces dattn's function while a handle is active: undoing that handle leaves
+    their function alone; a new patch wraps theirs and restores it."""
+    before = _state()
+    old = dattn.patch_torch_sdpa()
+
+    def theirs(*args, **kwargs):
+        return "theirs"
+
+    monkeypatch.setattr(F, _NAME, theirs, raising=False)
+    new = dattn.patch_torch_sdpa()
+    assert getattr(F, _NAME) is not theirs
+    old.undo()  # an earlier installation: changes nothing now
+    assert getattr(F, _NAME) is not theirs
+    new.undo()
+    assert getattr(F, _NAME) is theirs
+    monkeypatch.undo()  # their undo puts back dattn's first wrapper, whose handle is gone
+    assert getattr(getattr(F, _NAME), "_dattn_patch", False)
+    with dattn.patch_torch_sdpa():  # a new patch wraps what that wrapper wrapped ...
+        pass
+    assert _state() is before  # ... and restores it
+
+
 def test_patch_sends_what_dattn_cannot_serve_to_the_original(monkeypatch):
     calls = []
 
