@@ -20,6 +20,7 @@ from .metadata import (
 )
 from .attention import Attention, PagedCall, PagedRow, PagePool
 from .backends import BackendInfo, backends, cpu_info, get_backend, measure_peak_gflops
+from .sdpa import patch_torch_sdpa, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,6 @@ __all__ = [
     "cpu_info",
     "get_backend",
     "measure_peak_gflops",
+    "patch_torch_sdpa",
+    "scaled_dot_product_attention",
 ]

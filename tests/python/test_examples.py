@@ -1,0 +1,43 @@
+"""The Python examples run (tiny sizes) and agree with PyTorch's math. No timing assertions."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "python"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY = ["--image-tokens", "40", "--text-tokens", "9", "--heads", "2", "--head-dim", "16",
+        "--reps", "1", "--threads", "1"]
+
+
+@pytest.mark.parametrize(
+    "extra,tolerance",
+    [([], 1e-5), (["--no-rope", "--batch", "2"], 1e-5), (["--backend", "REFERENCE"], 1e-5),
+     (["--dtype", "bf16"], 0.1)],
+    ids=["f32-rope", "f32-batch2", "reference", "bf16"],
+)
+def test_flux_block(extra, tolerance, keep_torch_threads, capsys):
+    results = load("flux_block").main(TINY + extra)
+    for way in ("dattn-joint", "dattn-concat"):
+        assert results[f"{way}_max_diff"] <= tolerance, (way, results)
+        assert results[f"{way}_attention_s"] > 0 and results[f"{way}_block_s"] > 0
+    assert results["backend"] == ("REFERENCE" if "--backend" in extra else "FLASH")
+    assert "max |diff| vs torch" in capsys.readouterr().out
