@@ -8,8 +8,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
+#include "dattn/capabilities.hpp"
 #include "dattn/inputs.hpp"
 #include "dattn/metadata.hpp"
 #include "dattn/paged.hpp"
@@ -58,10 +61,10 @@ class Impl {
   const Backend& backend() const { return backend_; }
   const ImplConfig& config() const { return config_; }
 
-  // Per-platform quantized KV dtypes (the seed's _supported_kv_cache_dtypes).
-  virtual std::map<Platform, std::vector<KvCacheDtype>> supported_kv_cache_dtypes() const {
-    return {};
-  }
+  // Per-platform quantized KV dtypes (the seed's _supported_kv_cache_dtypes). By default the
+  // backend's capabilities().kv_cache_dtypes; an impl may narrow it for its config, never widen
+  // it (the registry's refusal reads the backend's declaration).
+  virtual std::map<Platform, std::vector<KvCacheDtype>> supported_kv_cache_dtypes() const;
   // `unquantized` is always supported.
   bool supports_kv_cache_dtype(KvCacheDtype dtype, Platform platform) const;
 
@@ -105,8 +108,23 @@ struct BackendRequest {
   FeatureSet features;  // capabilities the caller needs
 };
 
+// Why a backend cannot serve a request: every reason, in the order platform, availability,
+// head size, dtype, features, kv cache dtype. Empty = it can.
+struct Refusal {
+  std::vector<std::string> reasons;
+  bool refused() const { return !reasons.empty(); }
+  explicit operator bool() const { return refused(); }
+  // The reasons joined by ", ".
+  std::string to_string() const;
+};
+
+// A backend declares its capabilities once, as a BackendCapabilities value passed to the
+// constructor (include/dattn/capabilities.hpp lists each with the feature it guards), and makes
+// Impls.
 class Backend : public std::enable_shared_from_this<Backend> {
  public:
+  explicit Backend(BackendCapabilities capabilities = {})
+      : capabilities_(std::move(capabilities)) {}
   virtual ~Backend() = default;
 
   // Canonical upper-case name, e.g. "REFERENCE" (the seed's get_name).
@@ -115,45 +133,62 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // Higher is preferred by automatic selection (the platform default is the highest that fits).
   virtual int priority() const { return 0; }
 
-  // ---- capability flags and probes (seed names) ----
-  virtual bool accept_output_buffer() const { return false; }
-  virtual bool supports_piecewise_spans() const { return false; }
-  virtual bool supports_paged_kv() const { return false; }
-  virtual bool supports_prefix_kv_slicing() const { return false; }
-  virtual bool supports_packed_mask_free() const { return false; }
-  virtual bool supports_multi_doc_packed_varlen() const { return false; }
+  const BackendCapabilities& capabilities() const { return capabilities_; }
+
+  // ---- readers of capabilities() under the seed's names ----
+  bool accept_output_buffer() const { return capabilities_.accept_output_buffer; }
+  bool supports_piecewise_spans() const { return capabilities_.supports_piecewise_spans; }
+  bool supports_paged_kv() const { return capabilities_.supports_paged_kv; }
+  bool supports_prefix_kv_slicing() const { return capabilities_.supports_prefix_kv_slicing; }
+  bool supports_packed_mask_free() const { return capabilities_.supports_packed_mask_free; }
+  bool supports_multi_doc_packed_varlen() const {
+    return capabilities_.supports_multi_doc_packed_varlen;
+  }
+  bool supports_causal() const { return capabilities_.supports_causal; }
+  bool supports_dense_attention_mask() const { return capabilities_.supports_dense_attention_mask; }
+  bool exact() const { return capabilities_.exact; }
+  bool indexes_kv_by_block_stride() const { return capabilities_.indexes_kv_by_block_stride; }
   // nullopt = unrestricted.
-  virtual std::optional<std::vector<Platform>> supported_platforms() const { return std::nullopt; }
-  // Throws NotAvailable when an optional dependency or hardware feature is missing.
-  virtual void validate_available() const {}
-  // `spec` is the per-layer backend options when the user picked a backend explicitly.
+  const std::optional<std::vector<Platform>>& supported_platforms() const {
+    return capabilities_.supported_platforms;
+  }
+  bool supports_platform(Platform p) const;
+  // Empty = any head size.
+  const std::vector<std::int64_t>& supported_head_sizes() const {
+    return capabilities_.supported_head_sizes;
+  }
+  bool supports_head_size(std::int64_t head_size) const;
+  // Input dtypes this backend computes with (Q's dtype).
+  bool supports_dtype(DType q_dtype) const;
+  // `unquantized` is always supported.
+  bool supports_kv_cache_dtype(KvCacheDtype dtype, Platform platform) const;
+
+  // ---- probes that take arguments ----
+  // `spec` is the per-layer backend options when the user picked a backend explicitly. By
+  // default capabilities().supports_attention_mask.
   virtual bool supports_attention_mask(const BackendOptions* spec = nullptr) const {
     (void)spec;
-    return false;
+    return capabilities_.supports_attention_mask;
   }
-  // dattn's own flags (not in the seed): every dense backend serves causal calls and 3-D/4-D
-  // masks; a sparse backend may not.
-  virtual bool supports_causal() const { return true; }
-  virtual bool supports_dense_attention_mask() const { return true; }
-  // False for a backend that approximates attention (block-sparse): automatic choice and
-  // automatic fallback never pick it; only an explicit choice does.
-  virtual bool exact() const { return true; }
-  // Empty = any head size.
-  virtual std::vector<std::int64_t> supported_head_sizes() const { return {}; }
-  bool supports_head_size(std::int64_t head_size) const;
-  virtual bool indexes_kv_by_block_stride() const { return false; }
-  // Input dtypes this backend computes with (Q's dtype); default f32, bf16, f16.
-  virtual bool supports_dtype(DType q_dtype) const { return is_float_input_dtype(q_dtype); }
+  // Throws NotAvailable when an optional dependency or hardware feature is missing.
+  virtual void validate_available() const {}
 
   // The seed's get_impl_cls: makes an Impl. Must not be called for a config that
   // refusal() rejects; the registry and the layer check first.
   virtual std::unique_ptr<Impl> make_impl(const ImplConfig& config) const = 0;
 
-  // Whether the backend claims `f`.
+  // Whether the backend claims `f`: the capability that guards it (capability_for(f)) holds,
+  // and so does that of every feature it implies.
   bool claims(Feature f, const BackendOptions* spec = nullptr) const;
-  // Why this backend cannot serve `request` here, or nullopt if it can.
-  std::optional<std::string> refusal(const BackendRequest& request,
-                                     const BackendOptions* spec = nullptr) const;
+  // The capabilities (by name, once each, in feature order) that `features` need and this
+  // backend lacks; empty when it claims them all.
+  std::vector<std::string_view> unclaimed(const FeatureSet& features,
+                                          const BackendOptions* spec = nullptr) const;
+  // Every reason this backend cannot serve `request` here (empty if it can).
+  Refusal refusal(const BackendRequest& request, const BackendOptions* spec = nullptr) const;
+
+ private:
+  BackendCapabilities capabilities_;
 };
 
 }  // namespace dattn

@@ -29,7 +29,9 @@ enum class Feature : std::uint32_t {
   dense_attention_mask = 1u << 8,     // a 3-D/4-D bool or additive mask (not key padding)
 };
 inline constexpr Feature kLastFeature = Feature::dense_attention_mask;
-std::string_view feature_name(Feature f);  // the seed's flag name, e.g. "supports_paged_kv"
+// The name of the capability that guards `f` (include/dattn/capabilities.hpp), the seed's flag
+// name, e.g. "supports_paged_kv"; "lse_output" for the feature nothing guards.
+std::string_view feature_name(Feature f);
 
 class FeatureSet {
  public:

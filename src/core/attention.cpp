@@ -95,17 +95,14 @@ struct Attention::State {
   ImplSlot& slot_for(const FeatureSet& features) {
     const Backend& chosen = *primary->backend;
     const BackendOptions* spec = &config.backend_options;
-    std::optional<Feature> missing;
-    for (Feature f : features.list())
-      if (!chosen.claims(f, spec)) {
-        missing = f;
-        break;
-      }
-    if (!missing) return *primary;
+    const std::vector<std::string_view> missing = chosen.unclaimed(features, spec);
+    if (missing.empty()) return *primary;
+    std::string names;
+    for (std::string_view m : missing) names += (names.empty() ? "" : ", ") + std::string(m);
     if (!automatic && !config.allow_fallback)
-      throw Unsupported(std::string(feature_name(*missing)),
+      throw Unsupported(std::string(missing.front()),
                         "backend " + chosen.name() + " does not support this call: it needs " +
-                            std::string(feature_name(*missing)) + " (" + selection.source +
+                            names + " (" + selection.source +
                             " choice; pick a backend that claims it, e.g. REFERENCE)");
     BackendRequest r = request;
     r.features = features;
@@ -115,12 +112,12 @@ struct Attention::State {
       auto& slot = fallbacks[b->name()];
       if (!slot) slot = make_slot(b);
       if (verbose())
-        std::cerr << "dattn: " << chosen.name() << " lacks " << feature_name(*missing)
-                  << "; this call runs on " << b->name() << '\n';
+        std::cerr << "dattn: " << chosen.name() << " lacks " << names << "; this call runs on "
+                  << b->name() << '\n';
       return *slot;
     }
     throw Unsupported(
-        std::string(feature_name(*missing)),
+        std::string(missing.front()),
         "no registered backend supports this call's features: " + features.to_string());
   }
 

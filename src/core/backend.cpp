@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <variant>
 
 #include "dattn/errors.hpp"
 
@@ -32,6 +33,10 @@ std::string_view qkv_layout_name(QkvLayout l) {
 
 Impl::Impl(const Backend& backend, ImplConfig config)
     : backend_(backend), config_(std::move(config)) {}
+
+std::map<Platform, std::vector<KvCacheDtype>> Impl::supported_kv_cache_dtypes() const {
+  return backend_.capabilities().kv_cache_dtypes;
+}
 
 bool Impl::supports_kv_cache_dtype(KvCacheDtype dtype, Platform platform) const {
   if (dtype == KvCacheDtype::unquantized) return true;
@@ -88,63 +93,77 @@ void Impl::forward_paged(const PagedAttentionCall&) const {
                     "backend " + backend_.name() + " does not support paged KV attention");
 }
 
+namespace {
+
+template <typename T>
+bool contains(const std::vector<T>& v, const T& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+}  // namespace
+
+std::string Refusal::to_string() const {
+  std::string s;
+  for (const std::string& r : reasons) s += (s.empty() ? "" : ", ") + r;
+  return s;
+}
+
+bool Backend::supports_platform(Platform p) const {
+  const auto& platforms = supported_platforms();
+  return !platforms || contains(*platforms, p);
+}
+
 bool Backend::supports_head_size(std::int64_t head_size) const {
-  const auto sizes = supported_head_sizes();
-  return sizes.empty() || std::find(sizes.begin(), sizes.end(), head_size) != sizes.end();
+  const auto& sizes = supported_head_sizes();
+  return sizes.empty() || contains(sizes, head_size);
+}
+
+bool Backend::supports_dtype(DType q_dtype) const {
+  return contains(capabilities_.supported_dtypes, q_dtype);
+}
+
+bool Backend::supports_kv_cache_dtype(KvCacheDtype dtype, Platform platform) const {
+  if (dtype == KvCacheDtype::unquantized) return true;
+  const auto it = capabilities_.kv_cache_dtypes.find(platform);
+  return it != capabilities_.kv_cache_dtypes.end() && contains(it->second, dtype);
 }
 
 bool Backend::claims(Feature f, const BackendOptions* spec) const {
-  switch (f) {
-    case Feature::attention_mask:
-      return supports_attention_mask(spec);
-    case Feature::multi_doc_packed_varlen:
-      return supports_multi_doc_packed_varlen();
-    case Feature::packed_mask_free:
-      return supports_packed_mask_free();
-    case Feature::prefix_kv_slicing:
-      return supports_prefix_kv_slicing();
-    case Feature::piecewise_spans:
-      return supports_piecewise_spans();
-    case Feature::paged_kv:
-      return supports_paged_kv();
-    case Feature::lse_output:
-      return true;
-    case Feature::causal:
-      return supports_causal();
-    case Feature::dense_attention_mask:
-      return supports_attention_mask(spec) && supports_dense_attention_mask();
-  }
-  return false;
+  FeatureSet one;
+  one.add(f);
+  return unclaimed(one, spec).empty();
 }
 
-std::optional<std::string> Backend::refusal(const BackendRequest& request,
-                                            const BackendOptions* spec) const {
-  if (const auto platforms = supported_platforms();
-      platforms &&
-      std::find(platforms->begin(), platforms->end(), request.platform) == platforms->end())
-    return "does not run on platform " + std::string(platform_name(request.platform));
+std::vector<std::string_view> Backend::unclaimed(const FeatureSet& features,
+                                                 const BackendOptions* spec) const {
+  std::vector<std::string_view> out;
+  for (Feature f : features.list())
+    for (const Capability* c = capability_for(f); c != nullptr;
+         c = c->implies ? capability_for(*c->implies) : nullptr)
+      if (!std::get<bool>(c->read(*this, spec)) && !contains(out, c->name)) out.push_back(c->name);
+  return out;
+}
+
+Refusal Backend::refusal(const BackendRequest& request, const BackendOptions* spec) const {
+  Refusal r;
+  if (!supports_platform(request.platform))
+    r.reasons.push_back("does not run on platform " + std::string(platform_name(request.platform)));
   try {
     validate_available();
   } catch (const std::exception& e) {
-    return std::string("not available: ") + e.what();
+    r.reasons.push_back(std::string("not available: ") + e.what());
   }
   if (request.head_size > 0 && !supports_head_size(request.head_size))
-    return "head size " + std::to_string(request.head_size) + " is not supported";
+    r.reasons.push_back("head size " + std::to_string(request.head_size) + " is not supported");
   if (request.dtype && !supports_dtype(*request.dtype))
-    return "dtype " + std::string(dtype_name(*request.dtype)) + " is not supported";
-  for (Feature f : request.features.list())
-    if (!claims(f, spec)) return "does not support " + std::string(feature_name(f));
-  if (request.kv_cache_dtype != KvCacheDtype::unquantized) {
-    ImplConfig probe;
-    probe.num_heads = 1;
-    probe.head_size = request.head_size > 0 ? request.head_size : 64;
-    probe.num_kv_heads = 1;
-    probe.platform = request.platform;
-    if (!make_impl(probe)->supports_kv_cache_dtype(request.kv_cache_dtype, request.platform))
-      return "kv_cache_dtype " + std::string(kv_cache_dtype_name(request.kv_cache_dtype)) +
-             " is not supported on " + std::string(platform_name(request.platform));
-  }
-  return std::nullopt;
+    r.reasons.push_back("dtype " + std::string(dtype_name(*request.dtype)) + " is not supported");
+  for (std::string_view capability : unclaimed(request.features, spec))
+    r.reasons.push_back("does not support " + std::string(capability));
+  if (!supports_kv_cache_dtype(request.kv_cache_dtype, request.platform))
+    r.reasons.push_back("kv_cache_dtype " +
+                        std::string(kv_cache_dtype_name(request.kv_cache_dtype)) +
+                        " is not supported on " + std::string(platform_name(request.platform)));
+  return r;
 }
 
 }  // namespace dattn

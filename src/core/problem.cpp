@@ -2,30 +2,13 @@
 
 #include <sstream>
 
+#include "dattn/capabilities.hpp"
+
 namespace dattn {
 
 std::string_view feature_name(Feature f) {
-  switch (f) {
-    case Feature::attention_mask:
-      return "supports_attention_mask";
-    case Feature::multi_doc_packed_varlen:
-      return "supports_multi_doc_packed_varlen";
-    case Feature::packed_mask_free:
-      return "supports_packed_mask_free";
-    case Feature::prefix_kv_slicing:
-      return "supports_prefix_kv_slicing";
-    case Feature::piecewise_spans:
-      return "supports_piecewise_spans";
-    case Feature::paged_kv:
-      return "supports_paged_kv";
-    case Feature::lse_output:
-      return "lse_output";
-    case Feature::causal:
-      return "supports_causal";
-    case Feature::dense_attention_mask:
-      return "supports_dense_attention_mask";
-  }
-  return "?";
+  if (const Capability* c = capability_for(f)) return c->name;
+  return f == Feature::lse_output ? "lse_output" : "?";
 }
 
 std::vector<Feature> FeatureSet::list() const {

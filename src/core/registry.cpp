@@ -90,16 +90,14 @@ Selection Registry::select(const BackendRequest& request,
   if (chosen) {
     sel.backend = find(*chosen);
     sel.source = source;
-    if (const auto platforms = sel.backend->supported_platforms();
-        platforms &&
-        std::find(platforms->begin(), platforms->end(), request.platform) == platforms->end())
+    if (!sel.backend->supports_platform(request.platform))
       throw NotAvailable("backend", "backend " + sel.backend->name() + " (" + source +
                                         ") does not run on platform " +
                                         std::string(platform_name(request.platform)));
     sel.backend->validate_available();
-    if (auto why = sel.backend->refusal(request, spec))
+    if (const Refusal why = sel.backend->refusal(request, spec))
       throw Unsupported("backend", "backend " + sel.backend->name() + " (" + source +
-                                       ") cannot serve this layer: " + *why);
+                                       ") cannot serve this layer: " + why.to_string());
     return sel;
   }
   sel.source = "auto";
@@ -108,8 +106,8 @@ Selection Registry::select(const BackendRequest& request,
       sel.skipped.push_back(b->name() + ": approximate; chosen only explicitly");
       continue;
     }
-    if (auto why = b->refusal(request, spec)) {
-      sel.skipped.push_back(b->name() + ": " + *why);
+    if (const Refusal why = b->refusal(request, spec)) {
+      sel.skipped.push_back(b->name() + ": " + why.to_string());
       continue;
     }
     sel.backend = b;

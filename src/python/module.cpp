@@ -12,12 +12,15 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "dattn/attention.hpp"
+#include "dattn/capabilities.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/page_pool.hpp"
@@ -403,33 +406,48 @@ void Layer::forward_paged(const py::dict& call, const py::handle& cache_obj) con
   layer_.forward_paged(c);
 }
 
+// One capability's value: a bool, a tuple of platform names (None = any), a list of head sizes
+// or dtype names, or a dict from platform name to kv cache dtype names.
+py::object capability_python(const CapabilityValue& value) {
+  struct ToPython {
+    py::object operator()(bool b) const { return py::bool_(b); }
+    py::object operator()(const std::optional<std::vector<Platform>>& platforms) const {
+      if (!platforms) return py::none();
+      py::list l;
+      for (Platform p : *platforms) l.append(std::string(platform_name(p)));
+      return py::tuple(l);
+    }
+    py::object operator()(const std::vector<i64>& sizes) const { return py::cast(sizes); }
+    py::object operator()(const std::vector<DType>& dtypes) const {
+      py::list l;
+      for (DType t : dtypes) l.append(std::string(dtype_name(t)));
+      return l;
+    }
+    py::object operator()(const std::map<Platform, std::vector<KvCacheDtype>>& table) const {
+      py::dict d;
+      for (const auto& [platform, dtypes] : table) {
+        py::list names;
+        for (KvCacheDtype k : dtypes) names.append(std::string(kv_cache_dtype_name(k)));
+        d[py::str(std::string(platform_name(platform)))] = names;
+      }
+      return d;
+    }
+  };
+  return std::visit(ToPython{}, value);
+}
+
+// Identity, availability and every capability of capability_table() under its name, plus
+// "dtypes": {"f32": bool, "bf16": bool, "f16": bool} (the Python layer's supports_dtype).
 py::dict backend_info(const Backend& b) {
   py::dict d;
   d["name"] = b.name();
   d["description"] = b.description();
   d["priority"] = b.priority();
-  d["exact"] = b.exact();
-  d["accept_output_buffer"] = b.accept_output_buffer();
-  d["supports_piecewise_spans"] = b.supports_piecewise_spans();
-  d["supports_paged_kv"] = b.supports_paged_kv();
-  d["supports_prefix_kv_slicing"] = b.supports_prefix_kv_slicing();
-  d["supports_packed_mask_free"] = b.supports_packed_mask_free();
-  d["supports_multi_doc_packed_varlen"] = b.supports_multi_doc_packed_varlen();
-  d["supports_attention_mask"] = b.supports_attention_mask(nullptr);
-  d["supports_causal"] = b.supports_causal();
-  d["supports_dense_attention_mask"] = b.supports_dense_attention_mask();
-  d["indexes_kv_by_block_stride"] = b.indexes_kv_by_block_stride();
-  d["supported_head_sizes"] = b.supported_head_sizes();
-  py::object platforms = py::none();
-  if (const auto p = b.supported_platforms()) {
-    py::list l;
-    for (Platform x : *p) l.append(std::string(platform_name(x)));
-    platforms = py::tuple(l);
-  }
-  d["supported_platforms"] = platforms;
+  for (const Capability& c : capability_table())
+    d[py::str(std::string(c.name))] = capability_python(c.read(b, nullptr));
   py::dict dtypes;
-  for (const char* name : {"f32", "bf16", "f16"})
-    dtypes[name] = b.supports_dtype(*parse_dtype(name));
+  for (DType t : {DType::F32, DType::BF16, DType::F16})
+    dtypes[py::str(std::string(dtype_name(t)))] = b.supports_dtype(t);
   d["dtypes"] = dtypes;
   std::string unavailable;
   try {
@@ -439,25 +457,6 @@ py::dict backend_info(const Backend& b) {
   }
   d["available"] = unavailable.empty();
   d["unavailable_reason"] = unavailable;
-  // Per-platform kv_cache_dtypes of its impl (the seed's _supported_kv_cache_dtypes).
-  py::dict kv;
-  if (unavailable.empty()) {
-    try {
-      ImplConfig ic;
-      ic.num_heads = 1;
-      ic.num_kv_heads = 1;
-      ic.head_size = b.supported_head_sizes().empty() ? 64 : b.supported_head_sizes().front();
-      ic.softmax_scale = 1.0;
-      const auto impl = b.make_impl(ic);
-      for (const auto& [platform, list] : impl->supported_kv_cache_dtypes()) {
-        py::list names;
-        for (KvCacheDtype k : list) names.append(std::string(kv_cache_dtype_name(k)));
-        kv[py::str(std::string(platform_name(platform)))] = names;
-      }
-    } catch (const std::exception&) {
-    }
-  }
-  d["kv_cache_dtypes"] = kv;
   return d;
 }
 

@@ -5,12 +5,14 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <variant>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
 #include "dattn/backend.hpp"
+#include "dattn/capabilities.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
@@ -33,7 +35,37 @@ std::optional<std::string> unavailable_reason(const Backend& backend) {
   }
 }
 
-// Every capability flag under the seed's names, plus identity and availability.
+// One capability's value: a bool, a list of names or numbers (null = any platform), or an
+// object from platform to kv cache dtype names.
+json capability_json(const CapabilityValue& value) {
+  struct ToJson {
+    json operator()(bool b) const { return b; }
+    json operator()(const std::optional<std::vector<Platform>>& platforms) const {
+      if (!platforms) return nullptr;
+      json a = json::array();
+      for (Platform p : *platforms) a.push_back(platform_name(p));
+      return a;
+    }
+    json operator()(const std::vector<std::int64_t>& sizes) const { return sizes; }
+    json operator()(const std::vector<DType>& dtypes) const {
+      json a = json::array();
+      for (DType t : dtypes) a.push_back(dtype_name(t));
+      return a;
+    }
+    json operator()(const std::map<Platform, std::vector<KvCacheDtype>>& table) const {
+      json o = json::object();
+      for (const auto& [platform, dtypes] : table) {
+        json a = json::array();
+        for (KvCacheDtype k : dtypes) a.push_back(kv_cache_dtype_name(k));
+        o[std::string(platform_name(platform))] = a;
+      }
+      return o;
+    }
+  };
+  return std::visit(ToJson{}, value);
+}
+
+// Identity, availability and every capability of capability_table() under its name.
 json backend_json(const Backend& b) {
   json j;
   j["name"] = b.name();
@@ -42,27 +74,8 @@ json backend_json(const Backend& b) {
   const std::optional<std::string> reason = unavailable_reason(b);
   j["available"] = !reason.has_value();
   j["unavailable_reason"] = reason ? json(*reason) : json(nullptr);
-  j["accept_output_buffer"] = b.accept_output_buffer();
-  j["supports_piecewise_spans"] = b.supports_piecewise_spans();
-  j["supports_paged_kv"] = b.supports_paged_kv();
-  j["supports_prefix_kv_slicing"] = b.supports_prefix_kv_slicing();
-  j["supports_packed_mask_free"] = b.supports_packed_mask_free();
-  j["supports_multi_doc_packed_varlen"] = b.supports_multi_doc_packed_varlen();
-  j["supports_attention_mask"] = b.supports_attention_mask();
-  j["indexes_kv_by_block_stride"] = b.indexes_kv_by_block_stride();
-  j["supports_causal"] = b.supports_causal();
-  j["supports_dense_attention_mask"] = b.supports_dense_attention_mask();
-  j["exact"] = b.exact();
-  if (const auto platforms = b.supported_platforms()) {
-    j["supported_platforms"] = json::array();
-    for (Platform p : *platforms) j["supported_platforms"].push_back(platform_name(p));
-  } else {
-    j["supported_platforms"] = nullptr;
-  }
-  j["supported_head_sizes"] = b.supported_head_sizes();
-  j["supported_dtypes"] = json::array();
-  for (DType t : {DType::F32, DType::BF16, DType::F16})
-    if (b.supports_dtype(t)) j["supported_dtypes"].push_back(dtype_name(t));
+  for (const Capability& c : capability_table())
+    j[std::string(c.name)] = capability_json(c.read(b, nullptr));
   return j;
 }
 
@@ -86,7 +99,8 @@ json info_json(int threads, const PeakGflops& peak) {
   return j;
 }
 
-// A JSON value as a table cell: yes/no, "any", comma-separated lists, numbers as printed.
+// A JSON value as a table cell: yes/no, "any", comma-separated lists, "key:list" entries
+// separated by spaces ("none" when empty), numbers as printed.
 std::string cell(const json& value) {
   if (value.is_boolean()) return value.get<bool>() ? "yes" : "no";
   if (value.is_null()) return "any";
@@ -95,6 +109,13 @@ std::string cell(const json& value) {
     if (value.empty()) return "any";
     std::string s;
     for (const json& item : value) s += (s.empty() ? "" : ",") + cell(item);
+    return s;
+  }
+  if (value.is_object()) {
+    if (value.empty()) return "none";
+    std::string s;
+    for (const auto& [key, item] : value.items())
+      s += (s.empty() ? "" : " ") + key + ":" + cell(item);
     return s;
   }
   return value.dump();
@@ -121,32 +142,16 @@ void print_text(std::ostream& os, const json& info) {
                         << std::defaultfloat;
   label("workloads") << cell(info["workloads"]) << "\n\n";
 
-  // One row per capability, one column per backend.
-  static constexpr const char* kRows[] = {
-      "priority",
-      "available",
-      "accept_output_buffer",
-      "supports_piecewise_spans",
-      "supports_paged_kv",
-      "supports_prefix_kv_slicing",
-      "supports_packed_mask_free",
-      "supports_multi_doc_packed_varlen",
-      "supports_attention_mask",
-      "indexes_kv_by_block_stride",
-      "supports_causal",
-      "supports_dense_attention_mask",
-      "exact",
-      "supported_platforms",
-      "supported_head_sizes",
-      "supported_dtypes",
-  };
+  // One row per capability (capability_table()), one column per backend.
+  std::vector<std::string> rows{"priority", "available"};
+  for (const Capability& c : capability_table()) rows.emplace_back(c.name);
   const json& backends = info["backends"];
   std::size_t label_width = std::string_view("backend").size();
-  for (const char* row : kRows) label_width = std::max(label_width, std::string_view(row).size());
+  for (const std::string& row : rows) label_width = std::max(label_width, row.size());
   std::vector<std::size_t> widths;
   for (const json& b : backends) {
     std::size_t w = b["name"].get<std::string>().size();
-    for (const char* row : kRows) w = std::max(w, cell(b[row]).size());
+    for (const std::string& row : rows) w = std::max(w, cell(b[row]).size());
     widths.push_back(w);
   }
   const auto print_row = [&](std::string_view name, auto&& value_of) {
@@ -158,7 +163,8 @@ void print_text(std::ostream& os, const json& info) {
     os << std::right << '\n';
   };
   print_row("backend", [](const json& b) { return b["name"].get<std::string>(); });
-  for (const char* row : kRows) print_row(row, [row](const json& b) { return cell(b[row]); });
+  for (const std::string& row : rows)
+    print_row(row, [&row](const json& b) { return cell(b[row]); });
   os << '\n';
   for (const json& b : backends) {
     os << b["name"].get<std::string>() << ": " << b["description"].get<std::string>() << '\n';

@@ -414,10 +414,6 @@ class FlashImpl final : public Impl {
     }
   }
 
-  std::map<Platform, std::vector<KvCacheDtype>> supported_kv_cache_dtypes() const override {
-    return {{Platform::cpu, {KvCacheDtype::fp8, KvCacheDtype::int8}}};
-  }
-
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
     auto plan = std::make_unique<FlashPlan>(p.signature, kernels_for(isa_));
     const i64 group = p.group_size();
@@ -575,26 +571,31 @@ class FlashImpl final : public Impl {
   Isa isa_ = Isa::portable;
 };
 
+BackendCapabilities flash_capabilities() {
+  BackendCapabilities c;
+  c.accept_output_buffer = true;
+  c.supports_piecewise_spans = true;
+  c.supports_prefix_kv_slicing = true;
+  c.supports_packed_mask_free = true;
+  c.supports_multi_doc_packed_varlen = true;
+  c.supports_paged_kv = true;
+  c.supports_attention_mask = true;
+  c.indexes_kv_by_block_stride = true;
+  c.supported_platforms = std::vector<Platform>{Platform::cpu};
+  c.kv_cache_dtypes = {{Platform::cpu, {KvCacheDtype::fp8, KvCacheDtype::int8}}};
+  return c;
+}
+
 class FlashBackend final : public Backend {
  public:
+  FlashBackend() : Backend(flash_capabilities()) {}
   std::string name() const override { return "FLASH"; }
   std::string description() const override {
     return "tiled online-softmax attention with SIMD micro-kernels (" +
            std::string(isa_name(process_isa())) + ")";
   }
   int priority() const override { return 100; }
-  bool accept_output_buffer() const override { return true; }
-  bool supports_piecewise_spans() const override { return true; }
-  bool supports_prefix_kv_slicing() const override { return true; }
-  bool supports_packed_mask_free() const override { return true; }
-  bool supports_multi_doc_packed_varlen() const override { return true; }
-  bool supports_paged_kv() const override { return true; }
-  bool indexes_kv_by_block_stride() const override { return true; }
-  std::optional<std::vector<Platform>> supported_platforms() const override {
-    return std::vector<Platform>{Platform::cpu};
-  }
   void validate_available() const override { (void)process_isa(); }
-  bool supports_attention_mask(const BackendOptions*) const override { return true; }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<FlashImpl>(*this, config);
   }

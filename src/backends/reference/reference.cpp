@@ -225,10 +225,6 @@ class ReferenceImpl final : public Impl {
  public:
   using Impl::Impl;
 
-  std::map<Platform, std::vector<KvCacheDtype>> supported_kv_cache_dtypes() const override {
-    return {{Platform::cpu, {KvCacheDtype::fp8, KvCacheDtype::int8}}};
-  }
-
   std::unique_ptr<Plan> plan(const AttentionProblem& problem) const override {
     return std::make_unique<ReferencePlan>(problem.signature);
   }
@@ -286,24 +282,30 @@ class ReferenceImpl final : public Impl {
   }
 };
 
+// Every flag.
+BackendCapabilities reference_capabilities() {
+  BackendCapabilities c;
+  c.accept_output_buffer = true;
+  c.supports_piecewise_spans = true;
+  c.supports_paged_kv = true;
+  c.supports_prefix_kv_slicing = true;
+  c.supports_packed_mask_free = true;
+  c.supports_multi_doc_packed_varlen = true;
+  c.supports_attention_mask = true;
+  c.indexes_kv_by_block_stride = true;
+  c.supported_platforms = std::vector<Platform>{Platform::cpu};
+  c.kv_cache_dtypes = {{Platform::cpu, {KvCacheDtype::fp8, KvCacheDtype::int8}}};
+  return c;
+}
+
 class ReferenceBackend final : public Backend {
  public:
+  ReferenceBackend() : Backend(reference_capabilities()) {}
   std::string name() const override { return "REFERENCE"; }
   std::string description() const override {
     return "the oracle: plain loops accumulating in f64, every feature; slow on purpose";
   }
   int priority() const override { return 0; }  // automatic choice takes it last
-  bool accept_output_buffer() const override { return true; }
-  bool supports_piecewise_spans() const override { return true; }
-  bool supports_paged_kv() const override { return true; }
-  bool supports_prefix_kv_slicing() const override { return true; }
-  bool supports_packed_mask_free() const override { return true; }
-  bool supports_multi_doc_packed_varlen() const override { return true; }
-  std::optional<std::vector<Platform>> supported_platforms() const override {
-    return std::vector<Platform>{Platform::cpu};
-  }
-  bool supports_attention_mask(const BackendOptions*) const override { return true; }
-  bool indexes_kv_by_block_stride() const override { return true; }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<ReferenceImpl>(*this, config);
   }

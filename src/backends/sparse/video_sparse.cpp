@@ -471,22 +471,27 @@ class VideoSparseImpl final : public Impl {
   mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call
 };
 
+// Approximate; no causal calls and no 3-D/4-D masks (key padding only).
+BackendCapabilities video_sparse_capabilities() {
+  BackendCapabilities c;
+  c.exact = false;
+  c.accept_output_buffer = true;
+  c.supports_causal = false;
+  c.supports_dense_attention_mask = false;
+  c.supports_attention_mask = true;
+  c.supported_platforms = std::vector<Platform>{Platform::cpu};
+  return c;
+}
+
 class VideoSparseBackend final : public Backend {
  public:
+  VideoSparseBackend() : Backend(video_sparse_capabilities()) {}
   std::string name() const override { return "VIDEO_SPARSE"; }
   std::string description() const override {
     return "block-sparse video attention over the video token layout (sliding tile, top-k, "
            "explicit maps) on FLASH's kernels; approximate, chosen only explicitly";
   }
   int priority() const override { return 10; }
-  bool exact() const override { return false; }
-  bool accept_output_buffer() const override { return true; }
-  bool supports_causal() const override { return false; }
-  bool supports_dense_attention_mask() const override { return false; }
-  bool supports_attention_mask(const BackendOptions*) const override { return true; }
-  std::optional<std::vector<Platform>> supported_platforms() const override {
-    return std::vector<Platform>{Platform::cpu};
-  }
   void validate_available() const override { (void)flash::process_isa(); }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<VideoSparseImpl>(*this, config);
