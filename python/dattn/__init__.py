@@ -10,7 +10,7 @@
 The compiled core (dattn._core) binds the C++ library; the rest is this pure-Python layer.
 """
 
-from .errors import Error, InvalidArgument, NotAvailable, Unsupported
+from .errors import Error, InvalidArgument, NotAvailable, Unsupported, UnsupportedTensor
 from .metadata import (
     AttentionMetadata,
     PackedPaddingMetadata,
@@ -37,6 +37,7 @@ __all__ = [
     "PagedRow",
     "QueryRange",
     "Unsupported",
+    "UnsupportedTensor",
     "VideoTokenLayout",
     "VideoTokenSpan",
     "backends",

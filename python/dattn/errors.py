@@ -24,6 +24,12 @@ class NotAvailable(Error, RuntimeError):
     """A backend (or engine) that cannot run on this machine."""
 
 
+class UnsupportedTensor(Unsupported, InvalidArgument):
+    """A tensor dattn does not compute on (another device than the CPU, or a dtype such as
+    float64): both a request dattn does not serve (``Unsupported``, a ``NotImplementedError``)
+    and an argument that is not valid here (``InvalidArgument``, a ``ValueError``)."""
+
+
 def _with_field(cls, message, field):
     e = cls(message)
     e.field = field

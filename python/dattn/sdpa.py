@@ -28,7 +28,7 @@ import itertools
 from typing import Callable, Dict, Optional, Tuple
 
 from .attention import Attention
-from .errors import InvalidArgument, Unsupported, _with_field
+from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field
 from .metadata import AttentionMetadata
 
 try:
@@ -89,7 +89,7 @@ def _check_torch(x, name: str):
         return
     if x.dtype.is_floating_point:  # float64: PyTorch computes it, dattn does not
         raise _with_field(
-            Unsupported,
+            UnsupportedTensor,
             f"{name}: dtype {dtype} is not computed by dattn; valid: float32, bfloat16, float16"
             + (" (or bool)" if name == "attn_mask" else ""),
             name,

@@ -9,7 +9,7 @@ results and bool arrays need nothing special; an output must be writable.
 
 from __future__ import annotations
 
-from .errors import Unsupported, InvalidArgument, _with_field
+from .errors import InvalidArgument, UnsupportedTensor, _with_field
 
 try:  # torch is optional: numpy arrays work without it
     import torch
@@ -35,7 +35,7 @@ def check_device(x, field: str):
     if is_torch(x):
         if x.device.type != "cpu":
             raise _with_field(
-                Unsupported,
+                UnsupportedTensor,
                 f"{field}: lives on device {x.device}; dattn's Python package computes on CPU "
                 f"tensors only (move it with .cpu())",
                 field,
@@ -44,7 +44,7 @@ def check_device(x, field: str):
         dev = x.__dlpack_device__()
         if int(dev[0]) != 1:  # kDLCPU
             raise _with_field(
-                Unsupported, f"{field}: lives on DLPack device {tuple(dev)}; only CPU tensors", field
+                UnsupportedTensor, f"{field}: lives on DLPack device {tuple(dev)}; only CPU tensors", field
             )
 
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Set
 
 from .attention import Attention, PagedCall
 from .backends import get_backend
-from .errors import InvalidArgument, Unsupported, _with_field
+from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field
 from .metadata import AttentionMetadata as _DattnMetadata
 
 try:
@@ -235,7 +235,7 @@ class DattnAttentionImpl(_ImplBase):
                 raise
             name, dev = off_cpu[0]
             raise _with_field(
-                Unsupported,
+                UnsupportedTensor,
                 f"{name}: lives on device {dev}; {type(self).__name__} computes on CPU tensors "
                 f"only and has no path for that device ({e or 'not implemented'}); move the "
                 f"tensors with .cpu() or pick another backend",
@@ -322,4 +322,8 @@ class DattnAttentionBackend(_BackendBase):
         return _FLASH.get_supported_head_sizes()  # [] = any head size
 
 
-__all__ = ["DattnAttentionBackend", "DattnAttentionImpl", "ENGINE_AVAILABLE"]
+#: Shorter names for the same classes.
+DattnBackend = DattnAttentionBackend
+DattnImpl = DattnAttentionImpl
+
+__all__ = ["DattnAttentionBackend", "DattnAttentionImpl", "DattnBackend", "DattnImpl", "ENGINE_AVAILABLE"]

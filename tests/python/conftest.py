@@ -2,15 +2,10 @@
 through dattn's REFERENCE), input builders and comparisons."""
 
 import math
-import os
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import numpy as np  # noqa: E402
-
-import dattn  # noqa: E402
 
 
 def oracle(q, k, v, scale=None, bias=None, causal_offset=None, visible=None):

@@ -2,7 +2,6 @@
 feature by feature: masks, joint tokens, packed documents, packed padding, valid_kv_length,
 piecewise spans, query ranges, GQA, layouts and strided views, dtypes, LSE, numpy inputs."""
 
-import math
 import os
 import subprocess
 import sys
