@@ -51,6 +51,17 @@ foreach(key name supports_paged_kv)
   endif()
 endforeach()
 
+# ---- dattn info --json: FLASH's engines, portable first and available ----
+string(JSON engine_type ERROR_VARIABLE json_error TYPE "${INFO_OUT}" engines)
+if(json_error OR NOT engine_type STREQUAL "ARRAY")
+  message(FATAL_ERROR "dattn info --json has no engines array (${json_error}):\n${INFO_OUT}")
+endif()
+string(JSON engine0 GET "${INFO_OUT}" engines 0 name)
+string(JSON engine0_available GET "${INFO_OUT}" engines 0 available)
+if(NOT engine0 STREQUAL "portable" OR NOT engine0_available)
+  message(FATAL_ERROR "engines[0] is not an available portable engine:\n${INFO_OUT}")
+endif()
+
 # ---- dattn run --json: the default workload, checked against REFERENCE ----
 run_dattn(RUN run --json)
 expect_success(RUN "dattn run --json")

@@ -1,13 +1,18 @@
 // FLASH-specific properties beyond the conformance suite: thread splits, plan reuse, scratch
-// size, ISA levels agreeing, the laser scale.
+// size, engines agreeing (the engine table, the ladder, compute_dtype, every engine the library
+// lists against REFERENCE), the laser scale.
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <random>
 
+#include "backends/flash/engines.hpp"
 #include "backends/flash/kernels.hpp"
 #include "core/prepare_call.hpp"
 #include "dattn/attention.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
 #include "test_inputs.hpp"
@@ -76,22 +81,23 @@ TEST(Flash, ScratchPerThreadStaysWithin256KiBUpToHeadSize128) {
     }
 }
 
-TEST(Flash, EveryIsaLevelAgreesWithThePortableOne) {
+TEST(Flash, EveryF32EngineAgreesWithThePortableOne) {
   auto q = random_tensor({1, 131, 4, 96}, DType::F16, 4),
        k = random_tensor({1, 150, 2, 96}, DType::F16, 5),
        v = random_tensor({1, 150, 2, 96}, DType::F16, 6);
   AttentionConfig c = flash_config(4, 2, 96, true);
   c.backend_options["isa"] = std::string("portable");
   const auto base = Attention(c).forward(q, k, v, {}, true);
-  for (const char* isa : {"avx2", "avx512"}) {
-    c.backend_options["isa"] = std::string(isa);
-    try {
-      const auto got = Attention(c).forward(q, k, v, {}, true);
-      EXPECT_LE(testing::compare(got.out.view(), base.out.view()).max_abs, 2e-3) << isa;
-      EXPECT_LE(testing::compare(got.lse->view(), base.lse->view()).max_abs, 1e-4) << isa;
-    } catch (const NotAvailable&) {
-      // this CPU lacks the level
+  for (const EngineInfo& e : flash_engines()) {
+    if (e.compute_dtype != "f32" || e.name == "portable") continue;
+    c.backend_options["isa"] = e.name;
+    if (e.unavailable_reason) {
+      EXPECT_THROW(Attention{c}, NotAvailable) << e.name;
+      continue;
     }
+    const auto got = Attention(c).forward(q, k, v, {}, true);
+    EXPECT_LE(testing::compare(got.out.view(), base.out.view()).max_abs, 2e-3) << e.name;
+    EXPECT_LE(testing::compare(got.lse->view(), base.lse->view()).max_abs, 1e-4) << e.name;
   }
   c.backend_options["isa"] = std::string("sse9");
   EXPECT_THROW(Attention{c}, InvalidArgument);
@@ -145,8 +151,9 @@ TEST(FlashKernels, StoreRowRoundsLikeTheScalarConversions) {
   for (float x : {1.0f + std::ldexp(1.0f, -8), 1.0f + 3 * std::ldexp(1.0f, -8), INFINITY, -INFINITY,
                   NAN, 1e-40f, 65504.0f, 65520.0f, -0.0f, 3.0e-8f})
     src.push_back(x);
-  for (flash::Isa isa : flash::available_isas()) {
-    const flash::TileKernels& k = flash::kernels_for(isa);
+  for (const flash::Engine& engine : flash::engines()) {
+    if (!engine.available()) continue;
+    const flash::TileKernels& k = engine.kernels();
     for (DType dt : {DType::BF16, DType::F16}) {
       std::vector<std::uint16_t> got(src.size()), want(src.size());
       k.store_row(src.data(), 1.0f, std::int64_t(src.size()), dt, got.data());
@@ -157,8 +164,7 @@ TEST(FlashKernels, StoreRowRoundsLikeTheScalarConversions) {
           EXPECT_TRUE(std::isnan(load_as_f32(got.data(), dt, std::int64_t(n))));
           continue;
         }
-        ASSERT_EQ(got[n], want[n])
-            << flash::isa_name(isa) << " " << dtype_name(dt) << " " << src[n];
+        ASSERT_EQ(got[n], want[n]) << engine.name << " " << dtype_name(dt) << " " << src[n];
       }
     }
   }
@@ -345,6 +351,216 @@ TEST(WorkspacePool, ConcurrentCallsOnOneLayerGiveTheirOwnResults) {
     }
   }
 }
+
+}  // namespace
+}  // namespace dattn
+
+namespace dattn {
+namespace {
+
+// The plan description of a FLASH call with these options, which names the engine that runs it.
+std::string flash_plan(const BackendOptions& options, DType dtype, i64 hq = 2, i64 hkv = 1,
+                       i64 d = 64) {
+  const auto backend = Registry::global().find("FLASH");
+  AttentionConfig c = flash_config(hq, hkv, d, false);
+  auto q = Tensor::empty({1, 40, hq, d}, dtype), k = Tensor::empty({1, 40, hkv, d}, dtype);
+  Tensor out = Tensor::empty({1, 40, hq, d}, dtype);
+  const AttentionInputs in{q, k, k, nullptr, out, std::nullopt};
+  const auto call = detail::prepare_call(c, 0.125, hkv, in, {});
+  ImplConfig ic;
+  ic.num_heads = hq;
+  ic.num_kv_heads = hkv;
+  ic.head_size = d;
+  ic.backend_kwargs = options;
+  return backend->make_impl(ic)->plan(call.problem)->to_string();
+}
+
+bool engine_available(std::string_view name) {
+  for (const flash::Engine& e : flash::engines())
+    if (e.name == name) return e.available();
+  return false;
+}
+
+bool runs_on(const std::string& plan, std::string_view engine) {
+  return plan.find("engine " + std::string(engine) + " ") != std::string::npos;
+}
+
+TEST(FlashEngines, TheTableListsTheLadderAndTheEmulatedTwins) {
+  const std::vector<EngineInfo> engines = flash_engines();
+  std::vector<std::string> names;
+  for (const EngineInfo& e : engines) names.push_back(e.name);
+  for (const char* want : {"portable", "avx2", "avx512", "avx512_bf16", "avx512_bf16_emulated"})
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  for (std::size_t i = 1; i < engines.size(); ++i)
+    EXPECT_LE(engines[i - 1].rank, engines[i].rank) << engines[i].name;
+  for (const EngineInfo& e : engines) {
+    EXPECT_TRUE(e.compute_dtype == "f32" || e.compute_dtype == "bf16") << e.name;
+    if (e.emulated || e.name == "portable") {
+      EXPECT_FALSE(e.unavailable_reason.has_value()) << e.name << " must run everywhere";
+    }
+    if (e.unavailable_reason) {
+      EXPECT_FALSE(e.unavailable_reason->empty()) << e.name;
+    }
+  }
+}
+
+// The ladder: a cap, the input dtype and compute_dtype pick the engine; an emulated engine only
+// by its name; a cap the CPU lacks is NotAvailable.
+TEST(FlashEngines, TheCapDtypeAndComputeDtypePickTheEngine) {
+  using flash::ComputeDtype;
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (ComputeDtype c : {ComputeDtype::f32, ComputeDtype::bf16}) {
+      const flash::Engine& e = flash::select_engine(nullptr, dt, c);
+      EXPECT_FALSE(e.emulated) << "an emulated engine was chosen automatically";
+      EXPECT_TRUE(e.available());
+      if (dt != DType::BF16 && c == ComputeDtype::f32) {
+        EXPECT_EQ(e.compute, ComputeDtype::f32);
+      }
+    }
+  const flash::Engine& emulated = flash::engine_named("avx512_bf16_emulated", "isa");
+  EXPECT_EQ(&flash::select_engine(&emulated, DType::BF16, ComputeDtype::f32), &emulated);
+  EXPECT_EQ(&flash::select_engine(&emulated, DType::F32, ComputeDtype::bf16), &emulated);
+  EXPECT_EQ(&flash::select_engine(&emulated, DType::F16, ComputeDtype::bf16), &emulated);
+  // Exact calls under the emulated cap run the best f32 engine this CPU has.
+  const flash::Engine& best_f32 = flash::select_engine(nullptr, DType::F32, ComputeDtype::f32);
+  EXPECT_EQ(&flash::select_engine(&emulated, DType::F32, ComputeDtype::f32), &best_f32);
+  EXPECT_EQ(&flash::select_engine(&emulated, DType::F16, ComputeDtype::f32), &best_f32);
+
+  // Through the backend options: isa avx2 with bf16 inputs and the exact default runs avx2.
+  if (engine_available("avx2")) {
+    EXPECT_TRUE(runs_on(flash_plan({{"isa", std::string("avx2")}}, DType::BF16), "avx2"));
+    EXPECT_TRUE(
+        runs_on(flash_plan({{"isa", std::string("avx2")}, {"compute_dtype", std::string("bf16")}},
+                           DType::F32),
+                "avx2"));
+  }
+  EXPECT_TRUE(runs_on(flash_plan({{"isa", std::string("avx512_bf16_emulated")}}, DType::BF16),
+                      "avx512_bf16_emulated"));
+  EXPECT_TRUE(runs_on(flash_plan({{"isa", std::string("avx512_bf16_emulated")},
+                                  {"compute_dtype", std::string("bf16")}},
+                                 DType::F32),
+                      "avx512_bf16_emulated"));
+  EXPECT_TRUE(runs_on(flash_plan({{"isa", std::string("avx512_bf16_emulated")}}, DType::F32),
+                      best_f32.name));
+  EXPECT_FALSE(flash_plan({}, DType::BF16).find("emulated") != std::string::npos);
+
+  // Naming an engine this CPU lacks is NotAvailable, with the reason.
+  for (const flash::Engine& e : flash::engines()) {
+    if (e.available()) continue;
+    AttentionConfig c = flash_config(2, 1, 64, false);
+    c.backend_options["isa"] = std::string(e.name);
+    try {
+      Attention layer(c);
+      ADD_FAILURE() << e.name << " accepted on a CPU that lacks it";
+    } catch (const NotAvailable& err) {
+      EXPECT_EQ(err.field(), "isa");
+      EXPECT_NE(std::string(err.what()).find(*e.unavailable()), std::string::npos) << err.what();
+    }
+  }
+}
+
+TEST(FlashEngines, ComputeDtypeIsValidated) {
+  AttentionConfig c = flash_config(2, 1, 64, false);
+  for (const char* ok : {"f32", "bf16", "BF16"}) {
+    c.backend_options["compute_dtype"] = std::string(ok);
+    EXPECT_NO_THROW(Attention{c}) << ok;
+  }
+  for (const OptionValue& bad : {OptionValue(std::string("fp8")), OptionValue(std::int64_t{16})}) {
+    c.backend_options["compute_dtype"] = bad;
+    try {
+      Attention layer(c);
+      ADD_FAILURE() << "a bad compute_dtype was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.field(), "compute_dtype");
+      EXPECT_NE(std::string(e.what()).find("f32"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("bf16"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Every engine the library lists, forced by name, against REFERENCE: GQA, causal, additive
+// masks hiding keys, odd head sizes, lengths that are no multiple of any tile, several work
+// items per head. Engines the CPU lacks skip with the reason.
+class FlashEngine : public ::testing::TestWithParam<std::string> {};
+
+struct EngineCase {
+  i64 hq, hkv, d, sq, skv;
+  bool causal, mask;
+};
+
+TEST_P(FlashEngine, MatchesReference) {
+  const EngineInfo info = [&] {
+    for (const EngineInfo& e : flash_engines())
+      if (e.name == GetParam()) return e;
+    return EngineInfo{};
+  }();
+  ASSERT_EQ(info.name, GetParam());
+  if (info.unavailable_reason) GTEST_SKIP() << info.name << ": " << *info.unavailable_reason;
+  const bool bf16_engine = info.compute_dtype == "bf16";
+  const std::vector<EngineCase> cases{{4, 2, 59, 77, 131, false, false},
+                                      {3, 1, 64, 100, 100, true, false},
+                                      {2, 2, 80, 45, 97, false, true},
+                                      {2, 1, 59, 130, 67, true, true},
+                                      {1, 1, 128, 33, 200, false, false}};
+  // (inputs, compute_dtype) pairs this engine serves when forced by name.
+  std::vector<std::pair<DType, std::string>> runs;
+  if (bf16_engine)
+    runs = {{DType::BF16, "f32"}, {DType::F32, "bf16"}, {DType::F16, "bf16"}};
+  else
+    runs = {{DType::F32, "f32"}, {DType::BF16, "f32"}, {DType::F16, "f32"}};
+  std::uint32_t seed = 100;
+  for (const EngineCase& ec : cases)
+    for (const auto& [dt, compute] : runs) {
+      const std::string what = info.name + " " + std::string(dtype_name(dt)) + " compute " +
+                               compute + " H" + std::to_string(ec.hq) + "x" +
+                               std::to_string(ec.hkv) + " D" + std::to_string(ec.d) + " " +
+                               std::to_string(ec.sq) + "x" + std::to_string(ec.skv) +
+                               (ec.causal ? " causal" : "") + (ec.mask ? " mask" : "");
+      auto q = random_tensor({1, ec.sq, ec.hq, ec.d}, dt, seed++),
+           k = random_tensor({1, ec.skv, ec.hkv, ec.d}, dt, seed++),
+           v = random_tensor({1, ec.skv, ec.hkv, ec.d}, dt, seed++);
+      Tensor mask = Tensor::empty({1, ec.hq, ec.sq, ec.skv}, DType::F32);
+      AttentionMetadata m;
+      if (ec.mask) {
+        std::mt19937 rng(seed++);
+        std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+        for (i64 n = 0; n < mask.numel(); ++n)  // every fifth key hidden, the rest biased
+          mask.data_as<float>()[n] = (n % ec.skv) % 5 == 3 ? -INFINITY : u(rng);
+        m.attn_mask = mask.view();
+      }
+      AttentionConfig c = flash_config(ec.hq, ec.hkv, ec.d, ec.causal);
+      c.backend_options["isa"] = info.name;
+      c.backend_options["compute_dtype"] = compute;
+      const auto got = Attention(c).forward(q, k, v, m, true);
+      c.backend = "REFERENCE";
+      c.backend_options.clear();
+      const auto want = Attention(c).forward(q, k, v, m, true);
+      const auto d = testing::compare(got.out.view(), want.out.view());
+      const double tol = !bf16_engine        ? testing::tolerance_for(dt)
+                         : dt == DType::BF16 ? testing::tolerance_for(DType::BF16)
+                                             : 1e-2;
+      EXPECT_FALSE(d.nan) << what;
+      EXPECT_LE(d.normwise_rel, tol) << what;
+      // f32 inputs on a bf16 engine: the operands were rounded, so the error cannot be f32's.
+      if (bf16_engine && dt == DType::F32) {
+        EXPECT_GT(d.normwise_rel, 1e-5) << what;
+      }
+      const auto l = testing::compare(got.lse->view(), want.lse->view());
+      EXPECT_FALSE(l.nan) << what;
+      EXPECT_LE(l.max_abs, bf16_engine || dt != DType::F32 ? 1e-2 : 1e-4) << what;
+      for (i64 n = 0; n < got.out.numel(); ++n)
+        ASSERT_FALSE(std::isnan(load_as_f32(got.out.data(), got.out.dtype(), n))) << what;
+    }
+}
+
+std::vector<std::string> engine_names() {
+  std::vector<std::string> names;
+  for (const EngineInfo& e : flash_engines()) names.push_back(e.name);
+  return names;
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, FlashEngine, ::testing::ValuesIn(engine_names()),
+                         [](const auto& tp) { return tp.param; });
 
 }  // namespace
 }  // namespace dattn

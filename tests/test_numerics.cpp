@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "backends/flash/isa.hpp"
+#include "backends/flash/engines.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/communicator.hpp"
 #include "dattn/errors.hpp"
@@ -41,13 +41,13 @@ struct Engine {
   std::string name;
 };
 
-// REFERENCE and FLASH at every ISA level this machine runs.
+// REFERENCE and FLASH on every f32 engine this machine runs.
 std::vector<Engine> dense_engines() {
   std::vector<Engine> e{{"REFERENCE", {}, "REFERENCE"}};
-  for (const flash::Isa isa : flash::available_isas())
-    e.push_back({"FLASH",
-                 {{"isa", std::string(flash::isa_name(isa))}},
-                 "FLASH/" + std::string(flash::isa_name(isa))});
+  for (const flash::Engine& engine : flash::engines())
+    if (engine.available() && engine.compute == flash::ComputeDtype::f32)
+      e.push_back(
+          {"FLASH", {{"isa", std::string(engine.name)}}, "FLASH/" + std::string(engine.name)});
   return e;
 }
 

@@ -14,6 +14,7 @@
 #include "dattn/backend.hpp"
 #include "dattn/capabilities.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
 #include "dattn/threads.hpp"
@@ -92,6 +93,16 @@ json info_json(int threads, const PeakGflops& peak) {
                       {"bf16_dot", peak.bf16_dot ? json(*peak.bf16_dot) : json(nullptr)},
                       {"isa", peak.isa},
                       {"threads", peak.threads}};
+  // FLASH's engines (what DATTN_ISA and its isa option accept), in ladder order.
+  j["engines"] = json::array();
+  for (const EngineInfo& e : flash_engines())
+    j["engines"].push_back({{"name", e.name},
+                            {"rank", e.rank},
+                            {"compute_dtype", e.compute_dtype},
+                            {"emulated", e.emulated},
+                            {"available", !e.unavailable_reason.has_value()},
+                            {"unavailable_reason",
+                             e.unavailable_reason ? json(*e.unavailable_reason) : json(nullptr)}});
   j["backends"] = json::array();
   for (const auto& backend : Registry::global().all())
     j["backends"].push_back(backend_json(*backend));
@@ -140,6 +151,19 @@ void print_text(std::ostream& os, const json& info) {
                         << " f32 FMA (" << peak["isa"].get<std::string>() << "), " << bf16.str()
                         << " bf16 dot\n"
                         << std::defaultfloat;
+  // e.g. "portable, avx2, avx512 (unavailable), avx512_bf16 (bf16, unavailable), ..."
+  std::string engines;
+  for (const json& e : info["engines"]) {
+    std::string notes;
+    if (e["compute_dtype"].get<std::string>() != "f32")
+      notes += e["compute_dtype"].get<std::string>();
+    if (e["emulated"].get<bool>()) notes += std::string(notes.empty() ? "" : ", ") + "emulated";
+    if (!e["available"].get<bool>())
+      notes += std::string(notes.empty() ? "" : ", ") + "unavailable";
+    engines += (engines.empty() ? "" : ", ") + e["name"].get<std::string>() +
+               (notes.empty() ? "" : " (" + notes + ")");
+  }
+  label("engines") << engines << '\n';
   label("workloads") << cell(info["workloads"]) << "\n\n";
 
   // One row per capability (capability_table()), one column per backend.

@@ -6,8 +6,11 @@
 // run(): threads take work items; each packs its Q rows once (transposed, pre-scaled by the
 // softmax scale), then walks the key tiles its rows can see (causal/piecewise limits are per-row
 // key prefixes; tiles past every row's limit are never visited, tiles a mask hides entirely are
-// skipped), converting K and V tiles to f32 rows, and calls the ISA kernels for K.Q^T, the
-// softmax step and P.V; split items are merged by LSE at the end.
+// skipped), converting K and V tiles to f32 rows, and calls the engine's kernels for K.Q^T, the
+// softmax step and P.V (engines with their own operand formats pack Q once per item and K, P,
+// V per tile into their workspace); split items are merged by LSE at the end. The engine is
+// chosen per plan from the cap (DATTN_ISA or the isa option), the input dtype and the
+// compute_dtype option (engines.hpp).
 #include "backends/flash/flash.hpp"
 
 #include <omp.h>
@@ -23,6 +26,7 @@
 #include <variant>
 #include <vector>
 
+#include "backends/flash/engines.hpp"
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
@@ -64,15 +68,15 @@ struct PaddingRows {
 
 class FlashPlan final : public Plan {
  public:
-  FlashPlan(std::uint64_t signature, const TileKernels& tile_kernels)
-      : Plan(signature), kernels(tile_kernels) {}
+  FlashPlan(std::uint64_t signature, const Engine& chosen)
+      : Plan(signature), engine(chosen), kernels(chosen.kernels()) {}
 
   std::string to_string() const override {
     std::ostringstream os;
-    os << "FLASH plan: isa " << isa_name(kernels.isa) << ", " << items.size()
-       << " work items of up to " << block.rows_per_head << " rows x " << block.heads
-       << " heads, key tiles of " << kBlockKeys << ", " << threads << " thread(s), "
-       << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread";
+    os << "FLASH plan: engine " << engine.name << " (" << compute_dtype_name(engine.compute)
+       << " compute), " << items.size() << " work items of up to " << block.rows_per_head
+       << " rows x " << block.heads << " heads, key tiles of " << kBlockKeys << ", " << threads
+       << " thread(s), " << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread";
     if (!merges.empty())
       os << ", split-KV: " << merges.size() << " query blocks x " << merges[0].splits
          << " key ranges";
@@ -84,6 +88,7 @@ class FlashPlan final : public Plan {
            std::size_t(block.heads * block.rows_per_head) * sizeof(i64);
   }
 
+  const Engine& engine;
   const TileKernels& kernels;
   RowBlock block{1, 1};
   i64 dv_padded = 0;
@@ -91,6 +96,7 @@ class FlashPlan final : public Plan {
   std::vector<WorkItem> items;
   std::vector<PaddingRows> padding;
   std::size_t scratch_floats = 0;
+  std::size_t workspace_bytes = 0;  // the engine's, inside scratch_floats
   // Split-KV, when there are fewer query blocks than threads: partial results of
   // `partial_rows` rows x (dv + 2) floats per slot (`partial_floats` in all), merged by groups.
   // Each run leases its own partials from the pool, so concurrent runs of one plan neither
@@ -102,18 +108,32 @@ class FlashPlan final : public Plan {
 };
 
 // Per-thread scratch carved out of one buffer (padded strides: see kStridePad).
+// `ws` is the engine's workspace (TileKernels::workspace_bytes), 64-byte aligned; null for the
+// f32 engines.
 struct Scratch {
   float *qt, *st, *o, *k, *v, *m, *l, *alpha, *row;
+  void* ws;
   i64* kend;
   i64 ld_rows, ld_o, ld_k, ld_v;  // strides of qt/st, o, k, v
 
-  static std::size_t floats(i64 rows_p, i64 d, i64 dvp) {
+  static std::size_t workspace_bytes(const TileKernels& kk, i64 rows_p, i64 d, i64 dvp) {
+    if (kk.workspace_bytes == nullptr) return 0;
+    return kk.workspace_bytes(int(rows_p), int(d), int(dvp), int(kBlockKeys));
+  }
+  static std::size_t floats(i64 rows_p, i64 d, i64 dvp, std::size_t ws_bytes) {
     ScratchLayout count;
-    (void)carve(count, nullptr, rows_p, d, dvp);
+    (void)carve(count, nullptr, rows_p, d, dvp, ws_bytes);
     return count.floats();
   }
-  static Scratch carve(ScratchLayout& at, i64* row_ends, i64 rows_p, i64 d, i64 dvp) {
+  static Scratch carve(ScratchLayout& at, i64* row_ends, i64 rows_p, i64 d, i64 dvp,
+                       std::size_t ws_bytes) {
     Scratch s{};
+    if (ws_bytes > 0) {  // first, with 64 bytes of slack to align it
+      constexpr i64 kAlignFloats = 64 / sizeof(float);
+      float* raw = at.take(i64(ws_bytes / sizeof(float)) + kAlignFloats);
+      const auto addr = reinterpret_cast<std::uintptr_t>(raw);
+      s.ws = raw == nullptr ? nullptr : reinterpret_cast<void*>((addr + 63) / 64 * 64);
+    }
     s.ld_rows = rows_p + kStridePad;
     s.ld_o = dvp + kStridePad;
     s.ld_k = d + kStridePad;
@@ -164,7 +184,7 @@ class Worker {
     const i64 hk = w.h0 / p_.group_size();
     const i64 d = p_.d, dvp = plan_.dv_padded;
     ScratchLayout layout(buffers.floats);
-    Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp);
+    Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp, plan_.workspace_bytes);
 
     // Each row sees a prefix [k_begin, kend) of the segment's keys (positions are linear).
     i64 kmax = seg.k_begin, kmin = seg.k_end;
@@ -188,6 +208,8 @@ class Worker {
     kmax = std::min(kmax, w.k1);
 
     pack_queries(w, s, b, rows);
+    if (kk_.pack_q != nullptr)
+      kk_.pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), int(kBlockKeys), s.ws);
     std::fill(s.m, s.m + rows_p, kNegInf);
     std::fill(s.l, s.l + rows_p, 0.0f);
     std::fill(s.o, s.o + rows * s.ld_o, 0.0f);
@@ -201,11 +223,11 @@ class Worker {
       const i64 ahead = std::min(kBlockKeys, kmax - j0 - n);
       convert_rows(false, w.segment, b, hk, j0, n, d, s.k, s.ld_k, ahead);
       convert_rows(true, w.segment, b, hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
-      kk_.qk(s.k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d));
+      kk_.qk(s.k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d), s.ws);
       if (j0 + n > kmin || p_.mask.kind != MaskKind::none)
         hide(w, s, b, j0, n, rows, j0 + n > kmin);
       kk_.softmax_tile(s.st, s.ld_rows, int(n), int(rows_p), s.m, s.l, s.alpha);
-      kk_.pv(s.st, s.ld_rows, s.v, s.ld_v, s.o, s.ld_o, s.alpha, int(rows), int(n), int(dvp));
+      kk_.pv(s.st, s.ld_rows, s.v, s.ld_v, s.o, s.ld_o, s.alpha, int(rows), int(n), int(dvp), s.ws);
     }
 
     if (w.partial >= 0) {
@@ -403,19 +425,18 @@ class Worker {
 class FlashImpl final : public Impl {
  public:
   FlashImpl(const Backend& backend, const ImplConfig& config) : Impl(backend, config) {
-    isa_ = process_isa();
+    cap_ = process_cap();
     if (const auto it = config.backend_kwargs.find("isa"); it != config.backend_kwargs.end()) {
       const auto* name = std::get_if<std::string>(&it->second);
       if (name == nullptr) throw InvalidArgument("isa", "backend option isa must be a string");
-      isa_ = parse_isa(*name, "isa");
-      const auto have = available_isas();
-      if (std::find(have.begin(), have.end(), isa_) == have.end())
-        throw NotAvailable("isa", "FLASH: ISA " + *name + " is not supported by this CPU");
+      cap_ = &engine_named(*name, "isa");
     }
+    compute_ = parse_compute_dtype(config.backend_kwargs);
   }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
-    auto plan = std::make_unique<FlashPlan>(p.signature, kernels_for(isa_));
+    auto plan =
+        std::make_unique<FlashPlan>(p.signature, select_engine(cap_, p.q.dtype(), compute_));
     const i64 group = p.group_size();
     plan->block = row_block(group);
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
@@ -471,9 +492,10 @@ class FlashImpl final : public Impl {
       }
       if (next < p.sq) plan->padding.push_back({b, next, p.sq});
     }
-    plan->scratch_floats = Scratch::floats(
-        round_up(plan->block.heads * plan->block.rows_per_head, plan->kernels.row_align), p.d,
-        plan->dv_padded);
+    const i64 rows_p =
+        round_up(plan->block.heads * plan->block.rows_per_head, plan->kernels.row_align);
+    plan->workspace_bytes = Scratch::workspace_bytes(plan->kernels, rows_p, p.d, plan->dv_padded);
+    plan->scratch_floats = Scratch::floats(rows_p, p.d, plan->dv_padded, plan->workspace_bytes);
     return plan;
   }
 
@@ -568,7 +590,8 @@ class FlashImpl final : public Impl {
     }
   }
 
-  Isa isa_ = Isa::portable;
+  const Engine* cap_ = nullptr;  // nullptr: automatic
+  ComputeDtype compute_ = ComputeDtype::f32;
 };
 
 BackendCapabilities flash_capabilities() {
@@ -592,10 +615,10 @@ class FlashBackend final : public Backend {
   std::string name() const override { return "FLASH"; }
   std::string description() const override {
     return "tiled online-softmax attention with SIMD micro-kernels (" +
-           std::string(isa_name(process_isa())) + ")";
+           std::string(select_engine(process_cap(), DType::F32, ComputeDtype::f32).name) + ")";
   }
   int priority() const override { return 100; }
-  void validate_available() const override { (void)process_isa(); }
+  void validate_available() const override { (void)process_cap(); }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<FlashImpl>(*this, config);
   }

@@ -1,12 +1,12 @@
-// The per-ISA hot loops of the FLASH backend. The driver (flash.cpp) packs tiles and keeps the
-// online-softmax state; these functions do the arithmetic on f32 tiles.
+// The per-engine hot loops of the FLASH backend. The driver (flash.cpp) packs tiles and keeps
+// the online-softmax state; these functions do the arithmetic.
 //
 // The logits are computed transposed, S^T = K . Q^T, so that K and V tiles stay row-major
 // (converting a tile is a copy, never a transposition) and the softmax runs across query rows
 // in SIMD lanes with no horizontal reductions.
 //
-// Layout contracts (all f32, row-major, strides in floats):
-//   K   [keys][d]        key rows of one tile, converted to f32
+// Layout contracts of the f32 tiles the driver hands over (row-major, strides in floats):
+//   K   [keys][d]        key rows of one tile, converted to f32; columns d.. up to ldk zero
 //   QT  [d][rows_p]      query rows transposed, pre-scaled by softmax_scale;
 //                        rows_p a multiple of row_align, padding rows zero
 //   ST  [keys][rows_p]   logits in natural units (-inf = hidden; a dot product that is not
@@ -14,26 +14,32 @@
 //
 // Natural units, not log2 ones: a finite additive mask as low as -FLT_MAX (torch.finfo.min)
 // must stay finite, and scaling it by log2(e) would overflow to -inf (docs/semantics.md).
-//   V   [keys][dv]       value rows; dv a multiple of col_align
+//   V   [keys][dv]       value rows; dv a multiple of col_align, columns past the real dv zero
 //   O   [rows][dv]       running un-normalised output
+//
+// Engines that compute in their own operand formats (the bf16 engines: bf16 pairs) own a
+// per-thread workspace of workspace_bytes() bytes, 64-byte aligned, that the driver passes to
+// pack_q (once per work item, after QT is filled), qk and pv; they pack Q, K, P and V into it in
+// their layout and read QT only in pack_q. The f32 engines have no workspace (nullptr).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <string_view>
 
-#include "backends/flash/isa.hpp"
 #include "dattn/dtype.hpp"
 
 namespace dattn::flash {
 
 struct TileKernels {
-  Isa isa;
-  int row_align;  // query rows per S^T micro-tile (and softmax lane group)
-  int col_align;  // output columns per P.V micro-tile
+  std::string_view engine;  // the engine's name (engines.hpp)
+  int row_align;            // query rows per S^T micro-tile (and softmax lane group)
+  int col_align;            // output columns per P.V micro-tile
 
   // ST = K . QT for `keys` keys and `rows_p` rows (rows_p % row_align == 0) over `d`; an entry
   // that is not finite becomes NaN.
   void (*qk)(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
-             std::int64_t ldst, int keys, int rows_p, int d);
+             std::int64_t ldst, int keys, int rows_p, int d, void* ws);
   // One online-softmax step over a tile: for every row r (a column of ST) updates the running
   // max m[r] and sum l[r], turns the column into e^(s - m_new) and sets alpha[r] =
   // e^(m_old - m_new), the factor that rescales the row's earlier output. A NaN or +inf logit
@@ -42,17 +48,48 @@ struct TileKernels {
                        float* alpha);
   // O[r] = O[r] * alpha[r] + sum_j PT[j][r] V[j] for `rows` rows (dv % col_align == 0).
   void (*pv)(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
-             std::int64_t ldo, const float* alpha, int rows, int keys, int dv);
+             std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* ws);
   // dst[0..n) = src[0..n) * scale for a contiguous row of f32, bf16 or f16.
   void (*load_row)(const void* src, DType dtype, std::int64_t n, float scale, float* dst);
   // dst[0..n) = src[0..n) * scale rounded (to nearest even) to a contiguous f32, bf16 or f16
   // row.
   void (*store_row)(const float* src, float scale, std::int64_t n, DType dtype, void* dst);
+
+  // Engines with their own operand formats (nullptr for the f32 engines): the workspace size
+  // for tiles of up to `rows_p` rows and `max_keys` keys with head sizes d and dv (padded), and
+  // the per-work-item packing of QT [d][rows_p] (stride ldqt) into it.
+  std::size_t (*workspace_bytes)(int rows_p, int d, int dv, int max_keys) = nullptr;
+  void (*pack_q)(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, int max_keys,
+                 void* ws) = nullptr;
 };
+
+// The parts of a TileKernels a bf16-dot engine supplies (cpu/bf16_dot_impl.hpp), and the
+// table they make with the softmax and row conversions of `base`.
+struct Bf16DotFunctions {
+  decltype(TileKernels::qk) qk;
+  decltype(TileKernels::pv) pv;
+  decltype(TileKernels::workspace_bytes) workspace_bytes;
+  decltype(TileKernels::pack_q) pack_q;
+  int align;
+};
+inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels& base,
+                                     const Bf16DotFunctions& f) {
+  TileKernels k = base;
+  k.engine = engine;
+  k.row_align = k.col_align = f.align;
+  k.qk = f.qk;
+  k.pv = f.pv;
+  k.workspace_bytes = f.workspace_bytes;
+  k.pack_q = f.pack_q;
+  return k;
+}
 
 const TileKernels& portable_kernels();
 const TileKernels& avx2_kernels();
 const TileKernels& avx512_kernels();
-const TileKernels& kernels_for(Isa isa);
+// bf16 pair products accumulated in f32: vdpbf16ps, and its emulation in portable C++ (the
+// same layouts, the same order of operations).
+const TileKernels& avx512_bf16_kernels();
+const TileKernels& avx512_bf16_emulated_kernels();
 
 }  // namespace dattn::flash

@@ -24,7 +24,7 @@
 #include <sstream>
 #include <variant>
 
-#include "backends/flash/isa.hpp"
+#include "backends/flash/engines.hpp"
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
@@ -53,8 +53,8 @@ class SparsePlan final : public Plan {
   SparsePlan(std::uint64_t signature, const TileKernels& k) : Plan(signature), kernels(k) {}
   std::string to_string() const override {
     std::ostringstream os;
-    os << "VIDEO_SPARSE plan: isa " << flash::isa_name(kernels.isa) << ", query chunks of up to "
-       << kMaxRows << " rows, key chunks of " << kBlockKeys << ", " << threads
+    os << "VIDEO_SPARSE plan: engine " << kernels.engine << ", query chunks of up to " << kMaxRows
+       << " rows, key chunks of " << kBlockKeys << ", " << threads
        << " thread(s), K/V of one head converted once per call (" << (ld_k + ld_v) * sizeof(float)
        << " B per key row)";
     return os.str();
@@ -245,13 +245,14 @@ struct Call {
         all = all && s.ok[jj];
       }
       if (!any) continue;
-      kk().qk(s.k, plan.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(keys), int(rows_p), int(d));
+      kk().qk(s.k, plan.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(keys), int(rows_p), int(d),
+              nullptr);
       if (!all)
         for (i64 jj = 0; jj < keys; ++jj)
           if (!s.ok[jj]) std::fill(s.st + jj * s.ld_rows, s.st + (jj + 1) * s.ld_rows, kNegInf);
       kk().softmax_tile(s.st, s.ld_rows, int(keys), int(rows_p), s.m, s.l, s.alpha);
       kk().pv(s.st, s.ld_rows, s.v, plan.ld_v, s.o, s.ld_o, s.alpha, int(nrows), int(keys),
-              int(dvp));
+              int(dvp), nullptr);
     }
 
     const bool gated = gate.has_value();
@@ -332,7 +333,8 @@ void check_gate(const TensorView& g, const AttentionProblem& p) {
 class VideoSparseImpl final : public Impl {
  public:
   VideoSparseImpl(const Backend& backend, const ImplConfig& config)
-      : Impl(backend, config), isa_(flash::process_isa()) {
+      : Impl(backend, config),
+        engine_(&flash::select_engine(flash::process_cap(), DType::F32, flash::ComputeDtype::f32)) {
     (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
   }
 
@@ -345,7 +347,7 @@ class VideoSparseImpl final : public Impl {
              p.segments[a].k_end != p.segments[c].k_end))
           throw Unsupported("supports_multi_doc_packed_varlen",
                             "backend VIDEO_SPARSE needs one key range per batch item");
-    auto plan = std::make_unique<SparsePlan>(p.signature, flash::kernels_for(isa_));
+    auto plan = std::make_unique<SparsePlan>(p.signature, engine_->kernels());
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
     plan->ld_k = round_up(p.d, 16) + kStridePad;
     plan->ld_v = plan->dv_padded + kStridePad;
@@ -465,7 +467,8 @@ class VideoSparseImpl final : public Impl {
     bool operator==(const Key&) const = default;
   };
 
-  flash::Isa isa_;
+  // The f32 engine at or below DATTN_ISA's cap (VIDEO_SPARSE's tiles use no engine workspace).
+  const flash::Engine* engine_;
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
   mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call
@@ -492,7 +495,7 @@ class VideoSparseBackend final : public Backend {
            "explicit maps) on FLASH's kernels; approximate, chosen only explicitly";
   }
   int priority() const override { return 10; }
-  void validate_available() const override { (void)flash::process_isa(); }
+  void validate_available() const override { (void)flash::process_cap(); }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<VideoSparseImpl>(*this, config);
   }

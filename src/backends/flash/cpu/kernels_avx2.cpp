@@ -92,7 +92,7 @@ struct Vec {
 }  // namespace avx2_impl
 
 namespace {
-constexpr TileKernels kKernels = avx2_impl::make_tile_kernels<avx2_impl::Vec>(Isa::avx2);
+constexpr TileKernels kKernels = avx2_impl::make_tile_kernels<avx2_impl::Vec>("avx2");
 }  // namespace
 
 const TileKernels& avx2_kernels() {

@@ -89,7 +89,7 @@ struct Vec {
 }  // namespace avx512_impl
 
 namespace {
-constexpr TileKernels kKernels = avx512_impl::make_tile_kernels<avx512_impl::Vec>(Isa::avx512);
+constexpr TileKernels kKernels = avx512_impl::make_tile_kernels<avx512_impl::Vec>("avx512");
 }  // namespace
 
 const TileKernels& avx512_kernels() {

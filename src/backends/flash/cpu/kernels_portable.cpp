@@ -38,24 +38,11 @@ struct Vec {
 }  // namespace portable_impl
 
 namespace {
-constexpr TileKernels kKernels =
-    portable_impl::make_tile_kernels<portable_impl::Vec>(Isa::portable);
+constexpr TileKernels kKernels = portable_impl::make_tile_kernels<portable_impl::Vec>("portable");
 }  // namespace
 
 const TileKernels& portable_kernels() {
   return kKernels;
-}
-
-const TileKernels& kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::avx512:
-      return avx512_kernels();
-    case Isa::avx2:
-      return avx2_kernels();
-    case Isa::portable:
-      return portable_kernels();
-  }
-  return portable_kernels();
 }
 
 }  // namespace dattn::flash

@@ -1,0 +1,136 @@
+#include "backends/flash/engines.hpp"
+
+#include <array>
+#include <cstdlib>
+#include <string>
+
+#include "dattn/cpu_info.hpp"
+#include "dattn/engines.hpp"
+#include "dattn/errors.hpp"
+#include "dattn/registry.hpp"
+
+namespace dattn::flash {
+namespace {
+
+std::optional<std::string> always() {
+  return std::nullopt;
+}
+
+std::optional<std::string> needs_avx2() {
+  const CpuFeatures& f = cpu_features();
+  if (f.avx2 && f.fma && f.f16c) return std::nullopt;
+  return std::string("this CPU lacks AVX2, FMA or F16C");
+}
+
+std::optional<std::string> needs_avx512() {
+  const CpuFeatures& f = cpu_features();
+  if (needs_avx2()) return needs_avx2();
+  if (f.avx512f && f.avx512bw && f.avx512vl) return std::nullopt;
+  return std::string("this CPU lacks AVX-512 (F, BW and VL)");
+}
+
+std::optional<std::string> needs_avx512_bf16() {
+  if (needs_avx512()) return needs_avx512();
+  if (cpu_features().avx512_bf16) return std::nullopt;
+  return std::string("this CPU lacks AVX512-BF16 (vdpbf16ps)");
+}
+
+constexpr std::array<Engine, 5> kEngines{{
+    {"portable", 0, ComputeDtype::f32, false, &always, &portable_kernels},
+    {"avx2", 1, ComputeDtype::f32, false, &needs_avx2, &avx2_kernels},
+    {"avx512", 2, ComputeDtype::f32, false, &needs_avx512, &avx512_kernels},
+    {"avx512_bf16", 3, ComputeDtype::bf16, false, &needs_avx512_bf16, &avx512_bf16_kernels},
+    {"avx512_bf16_emulated", 3, ComputeDtype::bf16, true, &always, &avx512_bf16_emulated_kernels},
+}};
+
+std::string valid_names() {
+  std::string s;
+  for (const Engine& e : kEngines) s += (s.empty() ? "" : ", ") + std::string(e.name);
+  return s;
+}
+
+}  // namespace
+
+std::string_view compute_dtype_name(ComputeDtype c) {
+  return c == ComputeDtype::bf16 ? "bf16" : "f32";
+}
+
+std::span<const Engine> engines() {
+  return kEngines;
+}
+
+const Engine& engine_named(std::string_view name, std::string_view field) {
+  for (const Engine& e : kEngines) {
+    if (!names_equal(name, e.name)) continue;
+    if (const auto why = e.unavailable())
+      throw NotAvailable(std::string(field), std::string(field) + " = " + std::string(name) +
+                                                 ": FLASH engine " + std::string(e.name) +
+                                                 " is not available: " + *why);
+    return e;
+  }
+  throw InvalidArgument(std::string(field), std::string(field) + " = '" + std::string(name) +
+                                                "' is not a FLASH engine; valid: " + valid_names());
+}
+
+const Engine* process_cap() {
+  static const Engine* const cap = []() -> const Engine* {
+    const char* env = std::getenv("DATTN_ISA");
+    if (env == nullptr || *env == '\0') return nullptr;
+    return &engine_named(env, "DATTN_ISA");
+  }();
+  return cap;
+}
+
+ComputeDtype parse_compute_dtype(const BackendOptions& options) {
+  const auto it = options.find("compute_dtype");
+  if (it == options.end()) return ComputeDtype::f32;
+  const auto* name = std::get_if<std::string>(&it->second);
+  if (name != nullptr && (names_equal(*name, "f32") || names_equal(*name, "float32")))
+    return ComputeDtype::f32;
+  if (name != nullptr && (names_equal(*name, "bf16") || names_equal(*name, "bfloat16")))
+    return ComputeDtype::bf16;
+  throw InvalidArgument("compute_dtype",
+                        "backend option compute_dtype = " +
+                            (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
+                            " is not valid; valid: f32 (the default: exact to the inputs' "
+                            "precision), bf16");
+}
+
+const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute) {
+  const bool bf16_ok = input == DType::BF16 || compute == ComputeDtype::bf16;
+  // Highest rank first; an emulated cap stands in for the real engines of its rank.
+  for (auto it = kEngines.rbegin(); it != kEngines.rend(); ++it) {
+    const Engine& e = *it;
+    if (cap != nullptr && e.rank > cap->rank) continue;
+    if (e.emulated && &e != cap) continue;
+    if (cap != nullptr && cap->emulated && &e != cap && e.rank == cap->rank) continue;
+    if (e.compute == ComputeDtype::bf16 && !bf16_ok) continue;
+    if (!e.available()) continue;
+    if (e.compute == ComputeDtype::bf16 && cap == nullptr && !bf16_dot_outruns_fma()) continue;
+    return e;
+  }
+  return kEngines[0];
+}
+
+bool bf16_dot_outruns_fma() {
+  static const bool faster = [] {
+    if (!cpu_features().avx512_bf16) return false;
+    const PeakGflops peak = measure_peak_gflops(1, 0.05);
+    return peak.bf16_dot.has_value() && *peak.bf16_dot >= 1.5 * peak.f32_fma;
+  }();
+  return faster;
+}
+
+}  // namespace dattn::flash
+
+namespace dattn {
+
+std::vector<EngineInfo> flash_engines() {
+  std::vector<EngineInfo> out;
+  for (const flash::Engine& e : flash::engines())
+    out.push_back({std::string(e.name), e.rank, std::string(flash::compute_dtype_name(e.compute)),
+                   e.emulated, e.unavailable()});
+  return out;
+}
+
+}  // namespace dattn

@@ -1,0 +1,66 @@
+// The FLASH engines as one table: name, place on the ladder, what they compute in, whether they
+// are an emulated twin, their availability check and their kernels. DATTN_ISA, the `isa`
+// backend option, `dattn info` (through dattn/engines.hpp) and the tests all read it; a new
+// engine is one row here plus its kernel source file (named once in CMakeLists.txt).
+//
+// The ladder: amx > avx512_bf16 > avx512 > avx2 > portable. DATTN_ISA or the isa option name a
+// cap on it (or an emulated twin, by exact name, which then stands in for its real twin); each
+// call runs on the fastest engine at or below the cap that serves its input dtype and
+// compute_dtype (select_engine).
+#pragma once
+
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "backends/flash/kernels.hpp"
+#include "dattn/dtype.hpp"
+#include "dattn/metadata.hpp"
+
+namespace dattn::flash {
+
+// What the dot products of Q.K^T and P.V are computed in. f32 is exact to the inputs' precision
+// (f32, bf16 and f16 inputs); bf16 rounds the operands to bf16 and accumulates in f32.
+enum class ComputeDtype { f32, bf16 };
+
+std::string_view compute_dtype_name(ComputeDtype c);
+
+struct Engine {
+  std::string_view name;
+  int rank;  // place on the ladder; an emulated twin shares its real twin's rank
+  ComputeDtype compute;
+  bool emulated;  // always available, never chosen automatically
+  // Why this CPU cannot run the engine; nullopt when it can.
+  std::optional<std::string> (*unavailable)();
+  const TileKernels& (*kernels)();
+
+  bool available() const { return !unavailable().has_value(); }
+};
+
+// The table, in ladder order (emulated twins right after their real ones).
+std::span<const Engine> engines();
+
+// The engine called `name` (case-insensitive). Throws InvalidArgument naming `field` and the
+// valid names when there is none, NotAvailable naming `field` when this CPU cannot run it.
+const Engine& engine_named(std::string_view name, std::string_view field);
+
+// The cap DATTN_ISA sets for the process (checked once): nullptr when unset (automatic choice).
+const Engine* process_cap();
+
+// The backend option compute_dtype ("f32", the default, or "bf16"); InvalidArgument naming
+// compute_dtype otherwise.
+ComputeDtype parse_compute_dtype(const BackendOptions& options);
+
+// The engine for a call with inputs of `input` dtype: the highest-ranked available engine at or
+// below `cap` (nullptr: no cap) that serves it. f32 engines serve every call; bf16 engines serve
+// bf16 inputs and calls with compute_dtype bf16. An emulated engine serves only when it is the
+// cap itself. With no cap a bf16 engine is chosen only where bf16_dot_outruns_fma().
+const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute);
+
+// True when this CPU's measured vdpbf16ps rate is at least 1.5x its f32 FMA rate (both in
+// useful multiply-adds). Measured once per process, on first use, only when a choice depends on
+// it; false without AVX512-BF16.
+bool bf16_dot_outruns_fma();
+
+}  // namespace dattn::flash
