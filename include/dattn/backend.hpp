@@ -44,6 +44,9 @@ class Plan {
   virtual std::string to_string() const = 0;
   // Scratch memory one thread uses while running the plan.
   virtual std::size_t scratch_bytes_per_thread() const { return 0; }
+  // The compute engine that runs the plan (FLASH's engine table, dattn/engines.hpp: "avx512",
+  // "avx512_bf16", "amx", ...); empty for backends without engines.
+  virtual std::string engine() const { return {}; }
 
  private:
   std::uint64_t signature_;

@@ -68,12 +68,12 @@ struct PaddingRows {
 
 class FlashPlan final : public Plan {
  public:
-  FlashPlan(std::uint64_t signature, const Engine& chosen)
-      : Plan(signature), engine(chosen), kernels(chosen.kernels()) {}
+  FlashPlan(std::uint64_t signature, const Engine& engine)
+      : Plan(signature), chosen(engine), kernels(engine.kernels()) {}
 
   std::string to_string() const override {
     std::ostringstream os;
-    os << "FLASH plan: engine " << engine.name << " (" << compute_dtype_name(engine.compute)
+    os << "FLASH plan: engine " << chosen.name << " (" << compute_dtype_name(chosen.compute)
        << " compute), " << items.size() << " work items of up to " << block.rows_per_head
        << " rows x " << block.heads << " heads, key tiles of " << kBlockKeys << ", " << threads
        << " thread(s), " << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread";
@@ -83,12 +83,13 @@ class FlashPlan final : public Plan {
     return os.str();
   }
 
+  std::string engine() const override { return std::string(chosen.name); }
   std::size_t scratch_bytes_per_thread() const override {
     return scratch_floats * sizeof(float) +
            std::size_t(block.heads * block.rows_per_head) * sizeof(i64);
   }
 
-  const Engine& engine;
+  const Engine& chosen;
   const TileKernels& kernels;
   RowBlock block{1, 1};
   i64 dv_padded = 0;

@@ -60,6 +60,7 @@ class SparsePlan final : public Plan {
     return os.str();
   }
   std::size_t scratch_bytes_per_thread() const override { return scratch_floats * sizeof(float); }
+  std::string engine() const override { return std::string(kernels.engine); }
 
   const TileKernels& kernels;
   i64 dv_padded = 0, ld_k = 0, ld_v = 0;
