@@ -55,7 +55,9 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options);
 // The engine for a call with inputs of `input` dtype: the highest-ranked available engine at or
 // below `cap` (nullptr: no cap) that serves it. f32 engines serve every call; bf16 engines serve
 // bf16 inputs and calls with compute_dtype bf16. An emulated engine serves only when it is the
-// cap itself. With no cap a bf16 engine is chosen only where bf16_dot_outruns_fma().
+// cap itself. With no cap, bf16 engines serve only calls whose operands are all bf16 (or
+// compute_dtype bf16): amx wherever it is available, avx512_bf16 only where
+// bf16_dot_outruns_fma().
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute);
 
 // True when this CPU's measured vdpbf16ps rate is at least 1.5x its f32 FMA rate (both in

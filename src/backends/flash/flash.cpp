@@ -47,8 +47,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct WorkItem {
   std::size_t segment;
-  i64 q0, q1;  // query rows
-  i64 h0, h1;  // query heads, inside one KV group
+  std::size_t group = 0;  // its K/V panel group (segment, KV head): PanelGroup
+  i64 q0, q1;             // query rows
+  i64 h0, h1;             // query heads, inside one KV group
   // Split-KV: this item covers keys [k0, k1) of the segment and leaves its unnormalised
   // (O, m, l) in partial slot `partial` for the merge; -1 = whole key range, writes the output.
   i64 k0 = 0, k1 = std::numeric_limits<i64>::max();
@@ -66,6 +67,25 @@ struct PaddingRows {
   i64 batch, i0, i1;
 };
 
+// The keys of one (segment, KV head), packed once per call into kBlockKeys-key tiles of the
+// engine's format (kernels.hpp, "K and V panels"); `offset` is its first tile's byte offset in
+// its wave's panel buffer.
+struct PanelGroup {
+  std::size_t segment;
+  i64 hk, tiles;
+  std::size_t offset;
+};
+
+// Consecutive panel groups whose panels fit kPanelBudget together, and the work items that read
+// them: a run packs a wave's panels (all threads), then runs its items (all threads).
+struct Wave {
+  std::size_t group_begin, group_end;
+  i64 item_begin, item_end;
+  i64 tile_begin, tile_end;  // into FlashPlan::panel_tiles
+};
+// Panel bytes per wave: K and V of about 220k keys of D 128 in f32, 440k in bf16.
+constexpr std::size_t kPanelBudget = std::size_t(64) << 20;
+
 class FlashPlan final : public Plan {
  public:
   FlashPlan(std::uint64_t signature, const Engine& engine)
@@ -73,10 +93,14 @@ class FlashPlan final : public Plan {
 
   std::string to_string() const override {
     std::ostringstream os;
+    std::size_t panel_bytes = 0;
+    for (const Wave& w : waves) panel_bytes = std::max(panel_bytes, wave_bytes(w));
     os << "FLASH plan: engine " << chosen.name << " (" << compute_dtype_name(chosen.compute)
        << " compute), " << items.size() << " work items of up to " << block.rows_per_head
        << " rows x " << block.heads << " heads, key tiles of " << kBlockKeys << ", " << threads
-       << " thread(s), " << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread";
+       << " thread(s), " << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread, K/V "
+       << "packed once per call into " << groups.size() << " panel(s) in " << waves.size()
+       << " wave(s) of up to " << (panel_bytes + 1023) / 1024 << " KiB";
     if (!merges.empty())
       os << ", split-KV: " << merges.size() << " query blocks x " << merges[0].splits
          << " key ranges";
@@ -106,6 +130,20 @@ class FlashPlan final : public Plan {
   i64 partial_rows = 0;
   std::size_t partial_floats = 0;
   mutable detail::WorkspacePool<std::vector<float>> partials;
+
+  // K/V panels: one group per (segment, KV head) in item order, cut into waves.
+  std::size_t k_tile_bytes = 0, v_tile_bytes = 0;  // one packed tile
+  i64 ld_k = 0, ld_v = 0;                          // f32 engines: the rows' strides
+  std::vector<PanelGroup> groups;
+  std::vector<std::pair<std::size_t, i64>> panel_tiles;  // (group, tile) in wave order
+  std::vector<Wave> waves;
+  std::size_t panel_buffer_bytes = 0;  // the largest wave's
+  mutable detail::WorkspacePool<std::vector<float>> panels;
+
+  std::size_t tile_bytes() const { return k_tile_bytes + v_tile_bytes; }
+  std::size_t wave_bytes(const Wave& w) const {
+    return std::size_t(w.tile_end - w.tile_begin) * tile_bytes();
+  }
 };
 
 // Per-thread scratch carved out of one buffer (padded strides: see kStridePad).
@@ -119,7 +157,7 @@ struct Scratch {
 
   static std::size_t workspace_bytes(const TileKernels& kk, i64 rows_p, i64 d, i64 dvp) {
     if (kk.workspace_bytes == nullptr) return 0;
-    return kk.workspace_bytes(int(rows_p), int(d), int(dvp), int(kBlockKeys));
+    return kk.workspace_bytes(int(rows_p), int(d), int(dvp));
   }
   static std::size_t floats(i64 rows_p, i64 d, i64 dvp, std::size_t ws_bytes) {
     ScratchLayout count;
@@ -171,18 +209,49 @@ class Worker {
   // `partials`: this run's split-KV partial slots (plan.partial_floats floats), if any.
   Worker(const AttentionProblem& p, const FlashPlan& plan,
          const std::array<const detail::QuantizedKv*, 4>* quantized = nullptr,
-         float* partials = nullptr)
-      : p_(p), plan_(plan), kk_(plan.kernels), quantized_(quantized), partials_(partials) {
+         float* partials = nullptr, unsigned char* panel = nullptr)
+      : p_(p),
+        plan_(plan),
+        kk_(plan.kernels),
+        quantized_(quantized),
+        partials_(partials),
+        panel_(panel) {
     // laser_input_scale f: (q / f)(k / f)(scale f^2) = q k scale and (v / f) f = v, exactly
     // for powers of two; in f32 nothing overflows, so the factor cancels out here.
     qscale_ = static_cast<float>(p.softmax_scale);
+  }
+
+  // Packs tile `tile` of panel group `g` (the wave's panel buffer): K and V rows converted to
+  // f32 straight into it (f32 engines) or through this thread's scratch into the engine's
+  // format.
+  void pack_tile(std::size_t g, i64 tile, const ThreadBuffers& buffers) const {
+    const PanelGroup& group = plan_.groups[g];
+    const Segment& seg = p_.segments[group.segment];
+    const i64 j0 = seg.k_begin + tile * kBlockKeys, n = std::min(kBlockKeys, seg.k_end - j0);
+    unsigned char* at = panel_ + group.offset + std::size_t(tile) * plan_.tile_bytes();
+    const i64 d = p_.d, dvp = plan_.dv_padded;
+    const i64 ahead = std::min(kBlockKeys, seg.k_end - j0 - n);  // the next tile's rows
+    if (kk_.pack_k == nullptr) {
+      convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d,
+                   reinterpret_cast<float*>(at), plan_.ld_k, ahead);
+      convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv,
+                   reinterpret_cast<float*>(at + plan_.k_tile_bytes), plan_.ld_v, ahead);
+      return;
+    }
+    ScratchLayout layout(buffers.floats);
+    const i64 rows_p = round_up(plan_.block.heads * plan_.block.rows_per_head, kk_.row_align);
+    const Scratch s =
+        Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp, plan_.workspace_bytes);
+    convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, s.ld_k, ahead);
+    convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
+    kk_.pack_k(s.k, s.ld_k, int(n), int(d), at);
+    kk_.pack_v(s.v, s.ld_v, int(n), int(dvp), at + plan_.k_tile_bytes);
   }
 
   void process(const WorkItem& w, const ThreadBuffers& buffers) const {
     const Segment& seg = p_.segments[w.segment];
     const i64 b = seg.batch, nq = w.q1 - w.q0, rows = nq * (w.h1 - w.h0);
     const i64 rows_p = round_up(rows, kk_.row_align);
-    const i64 hk = w.h0 / p_.group_size();
     const i64 d = p_.d, dvp = plan_.dv_padded;
     ScratchLayout layout(buffers.floats);
     Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp, plan_.workspace_bytes);
@@ -208,27 +277,30 @@ class Worker {
     const i64 k_first = std::max(seg.k_begin, w.k0);
     kmax = std::min(kmax, w.k1);
 
-    pack_queries(w, s, b, rows);
+    // Engines with their own operand formats scale the logits after the dot products.
+    pack_queries(w, s, b, rows, kk_.pack_q != nullptr ? 1.0f : qscale_);
     if (kk_.pack_q != nullptr)
-      kk_.pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), int(kBlockKeys), s.ws);
+      kk_.pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), qscale_, s.ws);
     std::fill(s.m, s.m + rows_p, kNegInf);
     std::fill(s.l, s.l + rows_p, 0.0f);
-    std::fill(s.o, s.o + rows * s.ld_o, 0.0f);
+    std::fill(s.o, s.o + rows_p * s.ld_o, 0.0f);
+    const PanelGroup& group = plan_.groups[w.group];
 
     for (i64 j0 = k_first; j0 < kmax; j0 += kBlockKeys) {
       const i64 n = std::min(kBlockKeys, kmax - j0);
       if (tile_hidden_by_mask(w, s, b, j0, n)) continue;
-      // K and V tiles are copied (converted to f32) into scratch with padded strides: reading
-      // them in place, H * D elements apart, cost more in cache-set conflicts and TLB misses
-      // than the copy (measured on flux-1024: 47% -> 58% of peak with 24 heads).
-      const i64 ahead = std::min(kBlockKeys, kmax - j0 - n);
-      convert_rows(false, w.segment, b, hk, j0, n, d, s.k, s.ld_k, ahead);
-      convert_rows(true, w.segment, b, hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
-      kk_.qk(s.k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d), s.ws);
+      // K and V tiles come from the call's panel, converted once per call with padded strides:
+      // reading them in place, H * D elements apart, cost more in cache-set conflicts and TLB
+      // misses than a copy (measured on flux-1024: 47% -> 58% of peak with 24 heads), and
+      // converting them per work item cost as much again.
+      const unsigned char* tile =
+          panel_ + group.offset + std::size_t((j0 - seg.k_begin) / kBlockKeys) * plan_.tile_bytes();
+      kk_.qk(tile, plan_.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d), s.ws);
       if (j0 + n > kmin || p_.mask.kind != MaskKind::none)
         hide(w, s, b, j0, n, rows, j0 + n > kmin);
       kk_.softmax_tile(s.st, s.ld_rows, int(n), int(rows_p), s.m, s.l, s.alpha);
-      kk_.pv(s.st, s.ld_rows, s.v, s.ld_v, s.o, s.ld_o, s.alpha, int(rows), int(n), int(dvp), s.ws);
+      kk_.pv(s.st, s.ld_rows, tile + plan_.k_tile_bytes, plan_.ld_v, s.o, s.ld_o, s.alpha,
+             int(rows), int(n), int(dvp), s.ws);
     }
 
     if (w.partial >= 0) {
@@ -286,13 +358,13 @@ class Worker {
 
  private:
   // Q^T [d][rows_p], pre-scaled; padding rows zero.
-  void pack_queries(const WorkItem& w, const Scratch& s, i64 b, i64 rows) const {
+  void pack_queries(const WorkItem& w, const Scratch& s, i64 b, i64 rows, float scale) const {
     const i64 d = p_.d, nq = w.q1 - w.q0;
     for (i64 r = 0; r < rows; ++r) {
       const i64 h = w.h0 + r / nq;
       const RowRef qr = p_.q_row(w.q0 + r % nq);
       const TensorView& q = *qr.view;
-      load_elements(q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, qscale_, s.row);
+      load_elements(q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, scale, s.row);
       for (i64 e = 0; e < d; ++e) s.qt[e * s.ld_rows + r] = s.row[e];
     }
     for (i64 e = 0; e < d; ++e)
@@ -420,8 +492,21 @@ class Worker {
   const OutputRows out_{p_, kk_};
   const std::array<const detail::QuantizedKv*, 4>* quantized_;
   float* partials_;
+  unsigned char* panel_;  // this wave's K/V panels
   float qscale_ = 1;
 };
+
+// The dtype a bf16 engine would round the call's operands from: BF16 only when every Q, K and
+// V the call reads (joint ones and pages included, unquantized) is bf16, so that the automatic
+// choice takes a bf16 engine only where its operands are the inputs themselves; F32 otherwise.
+DType operand_dtype(const AttentionProblem& p) {
+  bool bf16 = p.q.dtype() == DType::BF16 && p.k.dtype() == DType::BF16 &&
+              p.v.dtype() == DType::BF16 && p.kv_cache_dtype == KvCacheDtype::unquantized;
+  if (p.joint)
+    bf16 = bf16 && p.joint->q.dtype() == DType::BF16 && p.joint->k.dtype() == DType::BF16 &&
+           p.joint->v.dtype() == DType::BF16;
+  return bf16 ? DType::BF16 : DType::F32;
+}
 
 class FlashImpl final : public Impl {
  public:
@@ -437,7 +522,7 @@ class FlashImpl final : public Impl {
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
     auto plan =
-        std::make_unique<FlashPlan>(p.signature, select_engine(cap_, p.q.dtype(), compute_));
+        std::make_unique<FlashPlan>(p.signature, select_engine(cap_, operand_dtype(p), compute_));
     const i64 group = p.group_size();
     plan->block = row_block(group);
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
@@ -446,11 +531,15 @@ class FlashImpl final : public Impl {
     // working through them find that K/V in the shared cache.
     for (std::size_t si = 0; si < p.segments.size(); ++si) {
       const Segment& seg = p.segments[si];
-      for (i64 hk = 0; hk < p.hkv; ++hk)
+      const i64 tiles = (seg.k_end - seg.k_begin + kBlockKeys - 1) / kBlockKeys;
+      for (i64 hk = 0; hk < p.hkv; ++hk) {
+        const std::size_t g = plan->groups.size();
+        plan->groups.push_back({si, hk, tiles, 0});
         for (i64 q0 = seg.q_begin; q0 < seg.q_end; q0 += plan->block.rows_per_head)
           for (i64 h0 = hk * group; h0 < (hk + 1) * group; h0 += plan->block.heads)
-            plan->items.push_back({si, q0, std::min(seg.q_end, q0 + plan->block.rows_per_head), h0,
-                                   std::min((hk + 1) * group, h0 + plan->block.heads)});
+            plan->items.push_back({si, g, q0, std::min(seg.q_end, q0 + plan->block.rows_per_head),
+                                   h0, std::min((hk + 1) * group, h0 + plan->block.heads)});
+      }
     }
     // Split-KV: with fewer query blocks than threads, each block's key range is cut into up
     // to `threads` ranges of whole tiles, run in parallel and merged.
@@ -493,11 +582,49 @@ class FlashImpl final : public Impl {
       }
       if (next < p.sq) plan->padding.push_back({b, next, p.sq});
     }
+    plan_panels(*plan, p);
     const i64 rows_p =
         round_up(plan->block.heads * plan->block.rows_per_head, plan->kernels.row_align);
     plan->workspace_bytes = Scratch::workspace_bytes(plan->kernels, rows_p, p.d, plan->dv_padded);
     plan->scratch_floats = Scratch::floats(rows_p, p.d, plan->dv_padded, plan->workspace_bytes);
     return plan;
+  }
+
+  // Panel tile sizes, each group's place in its wave, and the waves (consecutive groups whose
+  // panels fit kPanelBudget; at least one group each) with their items.
+  static void plan_panels(FlashPlan& plan, const AttentionProblem& p) {
+    const TileKernels& kk = plan.kernels;
+    constexpr std::size_t kAlign = 64;
+    const auto align = [](std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
+    plan.ld_k = p.d + kStridePad;
+    plan.ld_v = plan.dv_padded + kStridePad;
+    if (kk.k_tile_bytes != nullptr) {
+      plan.k_tile_bytes = kk.k_tile_bytes(int(p.d));
+      plan.v_tile_bytes = kk.v_tile_bytes(int(plan.dv_padded));
+    } else {
+      plan.k_tile_bytes = align(std::size_t(kBlockKeys * plan.ld_k) * sizeof(float));
+      plan.v_tile_bytes = align(std::size_t(kBlockKeys * plan.ld_v) * sizeof(float));
+    }
+    std::size_t item = 0;
+    for (std::size_t g = 0; g < plan.groups.size();) {
+      Wave w{g, g, i64(item), i64(item), i64(plan.panel_tiles.size()), 0};
+      std::size_t bytes = 0;
+      while (g < plan.groups.size()) {
+        PanelGroup& group = plan.groups[g];
+        const std::size_t add = std::size_t(group.tiles) * plan.tile_bytes();
+        if (g > w.group_begin && bytes + add > kPanelBudget) break;
+        group.offset = bytes;
+        bytes += add;
+        for (i64 t = 0; t < group.tiles; ++t) plan.panel_tiles.emplace_back(g, t);
+        ++g;
+      }
+      w.group_end = g;
+      while (item < plan.items.size() && plan.items[item].group < g) ++item;
+      w.item_end = i64(item);
+      w.tile_end = i64(plan.panel_tiles.size());
+      plan.panel_buffer_bytes = std::max(plan.panel_buffer_bytes, bytes);
+      plan.waves.push_back(w);
+    }
   }
 
   // docs/semantics.md, "Paged KV": writes the rows' new K/V into their slots, then runs the same
@@ -575,17 +702,34 @@ class FlashImpl final : public Impl {
       partials.emplace(plan.partials.acquire());
       if ((*partials)->size() < plan.partial_floats) (*partials)->resize(plan.partial_floats);
     }
-    const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr);
+    // The panels of one wave at a time, 64-byte aligned.
+    const auto panel_lease = plan.panels.acquire();
+    const std::size_t panel_floats = (plan.panel_buffer_bytes + 64) / sizeof(float);
+    if (panel_lease->size() < panel_floats) panel_lease->resize(panel_floats);
+    const auto panel_at = reinterpret_cast<std::uintptr_t>(panel_lease->data());
+    auto* panel = reinterpret_cast<unsigned char*>((panel_at + 63) / 64 * 64);
+    const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr, panel);
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
-    const auto count = static_cast<i64>(plan.items.size());
+    const auto count = static_cast<i64>(std::max(plan.items.size(), plan.panel_tiles.size()));
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
     const auto merges = static_cast<i64>(plan.merges.size());
+    const TileKernels& kk = plan.kernels;
 #pragma omp parallel num_threads(threads)
     {
       const ThreadBuffers buffers = thread_buffers(
           plan.scratch_floats, std::size_t(plan.block.heads * plan.block.rows_per_head));
+      if (kk.thread_begin != nullptr) kk.thread_begin();
+      for (const Wave& wave : plan.waves) {
+#pragma omp for schedule(dynamic, 4)
+        for (i64 t = wave.tile_begin; t < wave.tile_end; ++t) {
+          const auto& [g, tile] = plan.panel_tiles[std::size_t(t)];
+          worker.pack_tile(g, tile, buffers);
+        }
 #pragma omp for schedule(dynamic, 1)
-      for (i64 n = 0; n < count; ++n) worker.process(plan.items[std::size_t(n)], buffers);
+        for (i64 n = wave.item_begin; n < wave.item_end; ++n)
+          worker.process(plan.items[std::size_t(n)], buffers);
+      }
+      if (kk.thread_end != nullptr) kk.thread_end();
 #pragma omp for schedule(dynamic, 1)
       for (i64 g = 0; g < merges; ++g) worker.merge(plan.merges[std::size_t(g)], buffers.floats);
     }

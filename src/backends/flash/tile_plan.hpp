@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "backends/flash/kernels.hpp"
+
 namespace dattn::flash {
 
 // Query rows of one work item: a block of query rows times the heads of one GQA group that
@@ -13,7 +15,7 @@ namespace dattn::flash {
 inline constexpr std::int64_t kTargetRows = 128;
 // Keys per tile. 128 rows x 64 keys keep the tile scratch (Q^T, S^T, O and, for inputs that
 // need converting, K and V) at 224 KiB for D = Dv = 128, inside a 512 KiB L2.
-inline constexpr std::int64_t kBlockKeys = 64;
+inline constexpr std::int64_t kBlockKeys = kTileKeys;
 
 struct RowBlock {
   std::int64_t heads;  // query heads of the group per work item

@@ -1,5 +1,5 @@
 // The avx512_bf16 engine: Q.K^T and P.V with vdpbf16ps on bf16 pairs (f32 accumulation),
-// micro-tiles of 4 keys x 32 rows and 4 rows x 32 columns; the softmax and row conversions are
+// micro-tiles of 8 keys x 32 rows and 8 rows x 32 columns; the softmax and row conversions are
 // the AVX-512 f32 ones. Layouts and blocking: bf16_dot_impl.hpp, shared with the emulated twin
 // (kernels_bf16_emulated.cpp), which the tests run on every machine.
 #include <cmath>
@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "backends/flash/kernels.hpp"
+#include "dattn/dtype.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -29,28 +30,14 @@
 namespace dattn::flash {
 namespace avx512_bf16_impl {
 
-struct Dot {
-  using reg = __m512;
-  static constexpr int W = 16;
-  static reg zero() { return _mm512_setzero_ps(); }
-  static reg set1(float f) { return _mm512_set1_ps(f); }
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
-  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg not_finite_to_nan(reg a) { return _mm512_fmadd_ps(a, _mm512_setzero_ps(), a); }
-  static reg dot(reg acc, const std::uint32_t* pairs, std::uint32_t b) {
-    const __m512i a = _mm512_loadu_si512(pairs);
-    const __m512i bb = _mm512_set1_epi32(static_cast<int>(b));
-    // A vector cast (same 64 bytes), not std::bit_cast: a template instantiated outside this
-    // target region would pass __m512 values without AVX-512 (clang refuses that).
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)bb);  // NOLINT(readability-casting)
-  }
-};
+#include "backends/flash/cpu/avx512_bf16_ops.hpp"
+using Dot = Avx512Bf16Ops;
 
 #include "backends/flash/cpu/bf16_dot_impl.hpp"
+#include "backends/flash/cpu/bf16_pairs.hpp"
 
 // Instantiated here, inside the target region; nothing of it runs before the engine is chosen.
-constexpr Bf16DotFunctions kFunctions = bf16_dot_functions<Dot>();
+constexpr Bf16Functions kFunctions = bf16_dot_functions<Dot>();
 
 }  // namespace avx512_bf16_impl
 }  // namespace dattn::flash

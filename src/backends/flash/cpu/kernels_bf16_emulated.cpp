@@ -10,59 +10,14 @@
 #include <cstdint>
 
 #include "backends/flash/kernels.hpp"
+#include "dattn/dtype.hpp"
 
 namespace dattn::flash {
 namespace bf16_emulated_impl {
 
-struct Dot {
-  static constexpr int W = 16;
-  struct reg {
-    float v[W];
-  };
-  static reg zero() { return set1(0.0f); }
-  static reg set1(float f) {
-    reg r;
-    for (float& x : r.v) x = f;
-    return r;
-  }
-  static reg load(const float* p) {
-    reg r;
-    for (int i = 0; i < W; ++i) r.v[i] = p[i];
-    return r;
-  }
-  static void store(float* p, const reg& r) {
-    for (int i = 0; i < W; ++i) p[i] = r.v[i];
-  }
-  static reg mul(const reg& a, const reg& b) {
-    reg r;
-    for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i];
-    return r;
-  }
-  static reg not_finite_to_nan(const reg& a) {
-    reg r;
-    for (int i = 0; i < W; ++i) r.v[i] = std::fma(a.v[i], 0.0f, a.v[i]);
-    return r;
-  }
-  // A bf16 input with a zero exponent (zero or denormal) reads as a signed zero.
-  static float daz(std::uint32_t bits16) {
-    if ((bits16 & 0x7f80u) == 0) bits16 &= 0x8000u;
-    return bf16_to_f32(static_cast<std::uint16_t>(bits16));
-  }
-  static float ftz(float x) {
-    return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x;
-  }
-  static reg dot(reg acc, const std::uint32_t* pairs, std::uint32_t b) {
-    const float b_even = daz(b & 0xffffu), b_odd = daz(b >> 16);
-    for (int i = 0; i < W; ++i) {
-      const float a_even = daz(pairs[i] & 0xffffu), a_odd = daz(pairs[i] >> 16);
-      float x = ftz(acc.v[i]);
-      x = ftz(std::fma(a_odd, b_odd, x));
-      x = ftz(std::fma(a_even, b_even, x));
-      acc.v[i] = x;
-    }
-    return acc;
-  }
-};
+#include "backends/flash/cpu/bf16_emulated_ops.hpp"
+#include "backends/flash/cpu/bf16_pairs.hpp"
+using Dot = EmulatedBf16Ops;
 
 #include "backends/flash/cpu/bf16_dot_impl.hpp"
 

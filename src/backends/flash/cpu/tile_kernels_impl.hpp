@@ -37,8 +37,9 @@ inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int6
 }
 
 template <class V>
-void qk(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
+void qk(const void* k_tile, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
         std::int64_t ldst, int keys, int rows_p, int d, void* /*ws*/) {
+  const auto* k = static_cast<const float*>(k_tile);
   for (int r0 = 0; r0 < rows_p; r0 += 2 * V::W) {
     int j = 0;
     for (; j + 6 <= keys; j += 6)
@@ -149,8 +150,9 @@ inline void pv_rows(const float* pt, std::int64_t ldpt, const float* v, std::int
 // L1 while every row block uses it. Rows come in blocks of 6, the remainder in blocks of 4 and
 // fewer so that no block is left with too few accumulators to hide the FMA latency.
 template <class V>
-void pv(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
+void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t ldv, float* o,
         std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* /*ws*/) {
+  const auto* v = static_cast<const float*>(v_tile);
   int sixes = rows / 6;
   if (rows % 6 == 2 && sixes > 0) --sixes;  // 6k + 2 = 6(k - 1) + 4 + 4
   for (int c = 0; c < dv; c += 2 * V::W) {
@@ -243,6 +245,7 @@ void store_row(const float* src, float scale, std::int64_t n, DType dtype, void*
 
 template <class V>
 constexpr TileKernels make_tile_kernels(std::string_view engine) {
-  return TileKernels{engine, 2 * V::W,     2 * V::W,      &qk<V>,  &softmax_tile<V>,
-                     &pv<V>, &load_row<V>, &store_row<V>, nullptr, nullptr};
+  TileKernels k{engine,           2 * V::W, 2 * V::W,     &qk<V>,
+                &softmax_tile<V>, &pv<V>,   &load_row<V>, &store_row<V>};
+  return k;
 }

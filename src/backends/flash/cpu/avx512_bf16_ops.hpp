@@ -1,0 +1,65 @@
+// The AVX-512 BF16 vector operations of the bf16 engines (avx512_bf16 and amx): the "D" of
+// bf16_pairs.hpp, bf16_dot_impl.hpp and amx_impl.hpp. Include only inside a target region that
+// enables avx512f, avx512bw, avx512vl and avx512bf16, inside the engine's namespace, after
+// <immintrin.h>.
+
+struct Avx512Bf16Ops {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float f) { return _mm512_set1_ps(f); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg not_finite_to_nan(reg a) { return _mm512_fmadd_ps(a, _mm512_setzero_ps(), a); }
+  static reg dot(reg acc, const std::uint32_t* pairs, std::uint32_t b) {
+    const __m512i a = _mm512_loadu_si512(pairs);
+    const __m512i bb = _mm512_set1_epi32(static_cast<int>(b));
+    // A vector cast (same 64 bytes), not std::bit_cast: a template instantiated outside this
+    // target region would pass __m512 values without AVX-512 (clang refuses that).
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)bb);  // NOLINT(readability-casting)
+  }
+  static void pack16_consecutive(const float* src, std::uint32_t* dst) {
+    // vcvtne2ps2bf16: the low 256 bits from the second operand; 32 bf16 in source order are
+    // the 16 pairs.
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    _mm512_storeu_si512(dst, (__m512i)b);  // NOLINT(readability-casting)
+  }
+  static void pack16_interleaved(const float* even, const float* odd, std::uint32_t* dst) {
+    const __m512 o = odd != nullptr ? _mm512_loadu_ps(odd) : _mm512_setzero_ps();
+    const __m512bh b = _mm512_cvtne2ps_pbh(o, _mm512_loadu_ps(even));  // even | odd halves
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, (__m512i)b));  // NOLINT
+  }
+  // dst[c][r] = src[r][c] for a 16 x 16 block of 32-bit values (strides in elements):
+  // interleave 32-bit then 64-bit elements within 128-bit lanes, then gather the lanes.
+  static void transpose16(const std::uint32_t* src, std::int64_t lds, std::uint32_t* dst,
+                          std::int64_t ldd) {
+    __m512i r[16], a[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
+    for (int i = 0; i < 8; ++i) {
+      a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // r[4i + e], lane L: column 4L + e of rows 4i..4i+3.
+    for (int i = 0; i < 4; ++i) {
+      r[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+      r[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+      r[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+      r[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+      const __m512i c0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88);
+      const __m512i c1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xdd);
+      const __m512i d0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
+      const __m512i d1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xdd);
+      _mm512_storeu_si512(dst + (0 + e) * ldd, _mm512_shuffle_i32x4(c0, d0, 0x88));
+      _mm512_storeu_si512(dst + (4 + e) * ldd, _mm512_shuffle_i32x4(c1, d1, 0x88));
+      _mm512_storeu_si512(dst + (8 + e) * ldd, _mm512_shuffle_i32x4(c0, d0, 0xdd));
+      _mm512_storeu_si512(dst + (12 + e) * ldd, _mm512_shuffle_i32x4(c1, d1, 0xdd));
+    }
+  }
+};
+
