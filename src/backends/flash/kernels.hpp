@@ -43,6 +43,9 @@ namespace dattn::flash {
 
 // Keys per tile (and per tile of a K/V panel).
 inline constexpr int kTileKeys = 64;
+// How far above a row's largest logit its softmax reference m is set when it rises (natural
+// units): probabilities of the largest logits are e^-8, far from f32's and bf16's underflow.
+inline constexpr float kMaxHeadroom = 8.0f;
 
 struct TileKernels {
   std::string_view engine;  // the engine's name (engines.hpp)
@@ -55,9 +58,11 @@ struct TileKernels {
   void (*qk)(const void* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
              std::int64_t ldst, int keys, int rows_p, int d, void* ws);
   // One online-softmax step over a tile: for every row r (a column of ST) updates the running
-  // max m[r] and sum l[r], turns the column into e^(s - m_new) and sets alpha[r] =
-  // e^(m_old - m_new), the factor that rescales the row's earlier output. A NaN or +inf logit
-  // makes l[r] NaN for good.
+  // reference m[r] (an upper bound of the row's logits so far: raised lazily, to the tile's max
+  // plus kMaxHeadroom, only when a logit passes it) and sum l[r], turns the column into
+  // e^(s - m_new) and sets alpha[r] = e^(m_old - m_new), the factor that rescales the row's
+  // earlier output (exactly 1 when m did not move). A NaN or +inf logit makes l[r] NaN for
+  // good.
   void (*softmax_tile)(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
                        float* alpha);
   // O[r] = O[r] * alpha[r] + sum_j PT[j][r] V[j] for `rows` rows (dv % col_align == 0); `v` is

@@ -55,4 +55,3 @@ struct EmulatedTiles {
     std::memcpy(reg[c].bytes, acc, sizeof(acc));
   }
 };
-

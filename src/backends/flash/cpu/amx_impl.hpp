@@ -164,10 +164,14 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*l
     for (int c0 = 0; c0 < k2p; c0 += 16)
       D::transpose16(w.pt + std::int64_t(c0) * rows_p + r0, rows_p, w.p + r0 * kKeyPairs + c0,
                      kKeyPairs);
-  // O *= alpha row by row (every row of the padded block: the tiles read 32 rows at a time).
-  for (int r = 0; r < rows_p; ++r) {
+  // O *= alpha row by row (every row of the padded block: the tiles read 32 rows at a time),
+  // unless no row's reference moved (the lazy max of softmax_tile: most tiles).
+  bool moved = false;
+  for (int r = 0; r < rows_p; ++r) moved = moved || alpha[r] != 1.0f;
+  for (int r = 0; moved && r < rows_p; ++r) {
     const auto a = D::set1(alpha[r]);
-    for (int c = 0; c < dv; c += D::W) D::store(o + r * ldo + c, D::mul(D::load(o + r * ldo + c), a));
+    for (int c = 0; c < dv; c += D::W)
+      D::store(o + r * ldo + c, D::mul(D::load(o + r * ldo + c), a));
   }
   const long o_stride = long(ldo) * 4, p_stride = long(kKeyPairs) * 4, v_stride = long(dv) * 4;
   for (int r0 = 0; r0 < rows_p; r0 += 32) {
@@ -201,7 +205,7 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*l
 
 template <class T, class D>
 constexpr Bf16Functions amx_functions() {
-  return {&qk<T, D>,     &pv<T, D>,     &workspace_bytes, &pack_q<D>, &k_tile_bytes,
-          &v_tile_bytes, &pack_k<D>,    &pack_v<D>,       32,         &T::begin,
+  return {&qk<T, D>,     &pv<T, D>,  &workspace_bytes, &pack_q<D>, &k_tile_bytes,
+          &v_tile_bytes, &pack_k<D>, &pack_v<D>,       32,         &T::begin,
           &T::end};
 }

@@ -28,9 +28,8 @@ struct Avx512Bf16Ops {
   static void pack16_interleaved(const float* even, const float* odd, std::uint32_t* dst) {
     const __m512 o = odd != nullptr ? _mm512_loadu_ps(odd) : _mm512_setzero_ps();
     const __m512bh b = _mm512_cvtne2ps_pbh(o, _mm512_loadu_ps(even));  // even | odd halves
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, (__m512i)b));  // NOLINT
   }
   // dst[c][r] = src[r][c] for a 16 x 16 block of 32-bit values (strides in elements):
@@ -62,4 +61,3 @@ struct Avx512Bf16Ops {
     }
   }
 };
-

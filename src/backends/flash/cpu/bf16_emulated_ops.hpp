@@ -62,11 +62,10 @@ struct EmulatedBf16Ops {
   }
 };
 
-
 inline void EmulatedBf16Ops::pack16_consecutive(const float* src, std::uint32_t* dst) {
   for (int i = 0; i < W; ++i) dst[i] = pair(src[2 * i], src[2 * i + 1]);
 }
-inline void EmulatedBf16Ops::pack16_interleaved(const float* even, const float* odd, std::uint32_t* dst) {
+inline void EmulatedBf16Ops::pack16_interleaved(const float* even, const float* odd,
+                                                std::uint32_t* dst) {
   for (int i = 0; i < W; ++i) dst[i] = pair(even[i], odd != nullptr ? odd[i] : 0.0f);
 }
-

@@ -20,9 +20,9 @@
 #include <immintrin.h>
 
 #if defined(__clang__)
-#pragma clang attribute push(                                                           \
+#pragma clang attribute push(                                                            \
     __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2," \
-                          "fma,f16c"))),                                                \
+                          "fma,f16c"))),                                                 \
     apply_to = function)
 #else
 #pragma GCC diagnostic ignored "-Wuninitialized"

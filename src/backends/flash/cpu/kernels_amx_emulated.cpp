@@ -17,7 +17,9 @@
 namespace dattn::flash {
 namespace amx_emulated_impl {
 
+// In this order: each builds on the ones before.
 #include "backends/flash/cpu/bf16_pairs.hpp"
+
 #include "backends/flash/cpu/bf16_emulated_ops.hpp"
 
 #include "backends/flash/cpu/amx_emulated_tiles.hpp"
@@ -31,9 +33,10 @@ namespace amx_emulated_impl {
 const TileKernels& amx_emulated_kernels() {
   static const TileKernels k = [] {
     if (const TileKernels* vector = amx_emulated_tiles_avx512_kernels()) return *vector;
-    return bf16_tile_kernels("amx_emulated", portable_kernels(),
-                             amx_emulated_impl::amx_functions<amx_emulated_impl::EmulatedTiles,
-                                                              amx_emulated_impl::EmulatedBf16Ops>());
+    return bf16_tile_kernels(
+        "amx_emulated", portable_kernels(),
+        amx_emulated_impl::amx_functions<amx_emulated_impl::EmulatedTiles,
+                                         amx_emulated_impl::EmulatedBf16Ops>());
   }();
   return k;
 }

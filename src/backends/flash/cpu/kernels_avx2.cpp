@@ -39,6 +39,10 @@ struct Vec {
         _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
     return _mm256_andnot_ps(is_neg_inf, x);
   }
+  // a > b ? x : y per lane (false for NaN).
+  static reg select_gt(reg a, reg b, reg x, reg y) {
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  }
   // 2^x for x <= 0: 2^n * p(f), n = round(x), f in [-1/2, 1/2], p the degree-6 Taylor
   // polynomial of e^(f ln 2) (relative error < 2e-7); x < -126 (and -inf) gives 0, NaN stays
   // NaN (vmaxps returns its second operand when one is NaN, so x goes second).

@@ -43,6 +43,10 @@ struct Vec {
         _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_ps(is_neg_inf, x, _mm512_setzero_ps());
   }
+  // a > b ? x : y per lane (false for NaN).
+  static reg select_gt(reg a, reg b, reg x, reg y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
+  }
   // As in the AVX2 kernels, with vscalefps applying 2^n; NaN stays NaN (not-less-than is true
   // for NaN, and vmaxps returns its second operand, x, when one is NaN).
   static reg exp2_nonpositive(reg x) {

@@ -30,11 +30,13 @@
 namespace dattn::flash {
 namespace avx512_bf16_impl {
 
+// In this order: each builds on the ones before.
 #include "backends/flash/cpu/avx512_bf16_ops.hpp"
 using Dot = Avx512Bf16Ops;
 
-#include "backends/flash/cpu/bf16_dot_impl.hpp"
 #include "backends/flash/cpu/bf16_pairs.hpp"
+
+#include "backends/flash/cpu/bf16_dot_impl.hpp"
 
 // Instantiated here, inside the target region; nothing of it runs before the engine is chosen.
 constexpr Bf16Functions kFunctions = bf16_dot_functions<Dot>();

@@ -15,8 +15,10 @@
 namespace dattn::flash {
 namespace bf16_emulated_impl {
 
-#include "backends/flash/cpu/bf16_emulated_ops.hpp"
+// In this order: each builds on the ones before.
 #include "backends/flash/cpu/bf16_pairs.hpp"
+
+#include "backends/flash/cpu/bf16_emulated_ops.hpp"
 using Dot = EmulatedBf16Ops;
 
 #include "backends/flash/cpu/bf16_dot_impl.hpp"

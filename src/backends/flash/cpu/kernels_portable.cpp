@@ -26,6 +26,7 @@ struct Vec {
   static reg select_zero_if_neg_inf(reg x) {
     return x == -std::numeric_limits<float>::infinity() ? 0.0f : x;
   }
+  static reg select_gt(reg a, reg b, reg x, reg y) { return a > b ? x : y; }
   static reg exp2_nonpositive(reg x) { return x < -126.0f ? 0.0f : std::exp2(x); }
   static reg load_bf16(const std::uint16_t* p) { return bf16_to_f32(*p); }
   static reg load_f16(const std::uint16_t* p) { return f16_to_f32(*p); }

@@ -3,7 +3,8 @@
 // Include only from there, after the standard headers and inside a per-ISA namespace.
 //
 // V provides: reg, W (lanes), zero(), set1(f), load(p), store(p, r), fma(a, b, c) = a*b + c,
-// mul, add, sub, max, select_zero_if_neg_inf(x) (0 where x == -inf, else x),
+// mul, add, sub, max, select_zero_if_neg_inf(x) (0 where x == -inf, else x), select_gt(a, b,
+// x, y) (a > b ? x : y, false for NaN),
 // exp2_nonpositive(r) (2^x for x <= 0; x < -126 and -inf give 0, NaN stays NaN), load_bf16(p) /
 // load_f16(p) converting W 16-bit values, and store_bf16(p, r) / store_f16(p, r) rounding to
 // nearest even (NaN stays NaN).
@@ -76,6 +77,7 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
   // Logits are in natural units; e^x = 2^(x log2 e) with the difference taken first, so that
   // finite logits as large as a mask's -3.4e38 never overflow on the way.
   const R log2e = V::set1(std::numbers::log2e_v<float>);
+  const R headroom = V::set1(kMaxHeadroom);
   for (int r = 0; r < rows_p; r += V::W) {
     R mx0 = neg_inf, mx1 = neg_inf;
     int j = 0;
@@ -85,7 +87,13 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
     }
     if (j < keys) mx0 = V::max(mx0, V::load(st + j * ldst + r));
     const R m_old = V::load(m + r);
-    const R m_new = V::max(m_old, V::max(mx0, mx1));
+    // A lazy running max: m rises only when a logit passes it, and then kMaxHeadroom above the
+    // tile's max, so that later tiles seldom raise it again and alpha is exactly 1 for most
+    // tiles (the AMX engine then skips rescaling O). Every probability stays <= 1 (>= e^-8 for
+    // the row's largest logit); LSE = m + log(l) whatever m is. A NaN max leaves m alone (its
+    // NaN probability poisons l anyway); +inf raises m to +inf, and inf - inf poisons l.
+    const R tile_max = V::max(mx0, mx1);
+    const R m_new = V::select_gt(tile_max, m_old, V::add(tile_max, headroom), m_old);
     // A row that has seen nothing keeps m = -inf; subtracting 0 instead keeps its
     // probabilities at e^-inf = 0 rather than NaN. A NaN logit gives a NaN probability
     // (exp2_nonpositive keeps NaN), and a +inf one gives inf - inf = NaN: either way the row's
