@@ -8,6 +8,7 @@
 #include <set>
 
 #include "dattn/attention.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/video_sparse.hpp"
 #include "test_inputs.hpp"
@@ -466,6 +467,43 @@ TEST(VideoSparseKernel, Bf16InputsWithinTheirRounding) {
                                 .forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
   const auto d = testing::compare(got.out.view(), reference(c, r, std::nullopt).out.view());
   EXPECT_LE(d.normwise_rel, testing::tolerance_for(DType::BF16));
+}
+
+// VIDEO_SPARSE runs on FLASH's engines: each one this CPU can run (emulated twins included),
+// named by the isa option, on bf16 inputs and with compute_dtype bf16 on f32 inputs, against
+// REFERENCE under the selected blocks' token mask.
+TEST(VideoSparseKernel, EveryEngineMatchesReference) {
+  Case c;
+  c.hq = 4, c.hkv = 2, c.d = 72, c.dv = 40;
+  c.layout = one_tail(9, {5, 7, 9});
+  c.seq = c.layout.used_length() + 3;
+  const VideoTiling t = VideoTiling::build(c.layout, c.seq, {4, 4, 4});
+  const i64 nb = static_cast<i64>(t.blocks().size());
+  Tensor map = testing::bool_tensor({c.batch, c.hq, nb, nb}, 7, 0.3);
+  for (i64 row = 0; row < c.batch * c.hq * nb; ++row)
+    map.data_as<std::uint8_t>()[row * nb + row % nb] = 1;
+  AttentionProblem p;
+  p.batch = c.batch, p.hq = c.hq;
+  VideoSparseOptions so;
+  so.selection = BlockSelection::explicit_map;
+  so.block_map = map.view();
+  const Tensor mask = token_mask(select_blocks(p, {t, t}, so, nullptr), t, c.batch, c.hq);
+  for (const EngineInfo& e : flash_engines()) {
+    if (e.unavailable_reason) continue;
+    for (const DType dt : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(e.name + " " + std::string(dtype_name(dt)));
+      c.dtype = dt;
+      const SparseInputs r = inputs(c, 67);
+      BackendOptions o{
+          {"selection", std::string("explicit")}, {"block_map", map.view()}, {"isa", e.name}};
+      if (dt == DType::F32) o["compute_dtype"] = std::string("bf16");
+      const ForwardResult got =
+          Attention(sparse_config(c, o)).forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
+      const auto d = testing::compare(got.out.view(), reference(c, r, mask).out.view());
+      EXPECT_FALSE(d.nan);
+      EXPECT_LE(d.normwise_rel, e.compute_dtype == "bf16" || dt == DType::BF16 ? 1e-2 : 1e-5);
+    }
+  }
 }
 
 // ---- the contract around it ----

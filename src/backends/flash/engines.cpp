@@ -89,6 +89,23 @@ const Engine* process_cap() {
   return cap;
 }
 
+const Engine* options_cap(const BackendOptions& options) {
+  const auto it = options.find("isa");
+  if (it == options.end()) return process_cap();
+  const auto* name = std::get_if<std::string>(&it->second);
+  if (name == nullptr) throw InvalidArgument("isa", "backend option isa must be a string");
+  return &engine_named(*name, "isa");
+}
+
+DType operand_dtype(const AttentionProblem& p) {
+  bool bf16 = p.q.dtype() == DType::BF16 && p.k.dtype() == DType::BF16 &&
+              p.v.dtype() == DType::BF16 && p.kv_cache_dtype == KvCacheDtype::unquantized;
+  if (p.joint)
+    bf16 = bf16 && p.joint->q.dtype() == DType::BF16 && p.joint->k.dtype() == DType::BF16 &&
+           p.joint->v.dtype() == DType::BF16;
+  return bf16 ? DType::BF16 : DType::F32;
+}
+
 ComputeDtype parse_compute_dtype(const BackendOptions& options) {
   const auto it = options.find("compute_dtype");
   if (it == options.end()) return ComputeDtype::f32;

@@ -17,6 +17,7 @@
 #include "backends/flash/kernels.hpp"
 #include "dattn/dtype.hpp"
 #include "dattn/metadata.hpp"
+#include "dattn/problem.hpp"
 
 namespace dattn::flash {
 
@@ -47,6 +48,15 @@ const Engine& engine_named(std::string_view name, std::string_view field);
 
 // The cap DATTN_ISA sets for the process (checked once): nullptr when unset (automatic choice).
 const Engine* process_cap();
+
+// The cap a backend's `isa` option names (InvalidArgument naming isa if not a string or not an
+// engine, NotAvailable when this CPU cannot run it), else process_cap().
+const Engine* options_cap(const BackendOptions& options);
+
+// The dtype a bf16 engine would round a call's operands from: BF16 only when every Q, K and V
+// the call reads (joint ones and pages included, unquantized) is bf16, so that the automatic
+// choice takes a bf16 engine only where its operands are the inputs themselves; F32 otherwise.
+DType operand_dtype(const AttentionProblem& p);
 
 // The backend option compute_dtype ("f32", the default, or "bf16"); InvalidArgument naming
 // compute_dtype otherwise.

@@ -496,27 +496,10 @@ class Worker {
   float qscale_ = 1;
 };
 
-// The dtype a bf16 engine would round the call's operands from: BF16 only when every Q, K and
-// V the call reads (joint ones and pages included, unquantized) is bf16, so that the automatic
-// choice takes a bf16 engine only where its operands are the inputs themselves; F32 otherwise.
-DType operand_dtype(const AttentionProblem& p) {
-  bool bf16 = p.q.dtype() == DType::BF16 && p.k.dtype() == DType::BF16 &&
-              p.v.dtype() == DType::BF16 && p.kv_cache_dtype == KvCacheDtype::unquantized;
-  if (p.joint)
-    bf16 = bf16 && p.joint->q.dtype() == DType::BF16 && p.joint->k.dtype() == DType::BF16 &&
-           p.joint->v.dtype() == DType::BF16;
-  return bf16 ? DType::BF16 : DType::F32;
-}
-
 class FlashImpl final : public Impl {
  public:
   FlashImpl(const Backend& backend, const ImplConfig& config) : Impl(backend, config) {
-    cap_ = process_cap();
-    if (const auto it = config.backend_kwargs.find("isa"); it != config.backend_kwargs.end()) {
-      const auto* name = std::get_if<std::string>(&it->second);
-      if (name == nullptr) throw InvalidArgument("isa", "backend option isa must be a string");
-      cap_ = &engine_named(*name, "isa");
-    }
+    cap_ = options_cap(config.backend_kwargs);
     compute_ = parse_compute_dtype(config.backend_kwargs);
   }
 

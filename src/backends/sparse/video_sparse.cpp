@@ -64,6 +64,9 @@ class SparsePlan final : public Plan {
 
   const TileKernels& kernels;
   i64 dv_padded = 0, ld_k = 0, ld_v = 0;
+  // Engines with their own operand formats (FLASH's bf16 engines): their workspace and one
+  // packed K/V chunk per thread.
+  std::size_t workspace_bytes = 0, k_tile_bytes = 0, v_tile_bytes = 0;
   int threads = 1;
   std::size_t scratch_floats = 0;
 };
@@ -81,15 +84,27 @@ struct Piece {
 struct Tile {
   float *qt, *st, *o, *m, *l, *alpha, *row, *coarse, *k, *v;
   char* ok;
+  void* ws;  // the engine's workspace (64-byte aligned), or null
+  void* kv;  // the chunk packed in the engine's format (K then V), or null
   i64 ld_rows, ld_o;
   // ld_k, ld_v: the packed rows' strides (gathered chunks keep them).
-  static std::size_t floats(i64 d, i64 dvp, i64 ld_k, i64 ld_v) {
+  static std::size_t floats(i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes,
+                            std::size_t kv_bytes) {
     ScratchLayout count;
-    (void)carve(count, d, dvp, ld_k, ld_v);
+    (void)carve(count, d, dvp, ld_k, ld_v, ws_bytes, kv_bytes);
     return count.floats();
   }
-  static Tile carve(ScratchLayout& at, i64 d, i64 dvp, i64 ld_k, i64 ld_v) {
+  static void* aligned(ScratchLayout& at, std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    float* raw = at.take(i64(bytes / sizeof(float)) + 16);
+    if (raw == nullptr) return nullptr;
+    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(raw) + 63) / 64 * 64);
+  }
+  static Tile carve(ScratchLayout& at, i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes,
+                    std::size_t kv_bytes) {
     Tile t{};
+    t.ws = aligned(at, ws_bytes);
+    t.kv = aligned(at, kv_bytes);
     t.ld_rows = kMaxRows + kStridePad;
     t.ld_o = dvp + kStridePad;
     t.qt = at.take(d * t.ld_rows);
@@ -179,13 +194,17 @@ struct Call {
     const i64 d = p.d, dvp = plan.dv_padded, nrows = it.count;
     const i64 rows_p = round_up(nrows, kk().row_align);
     ScratchLayout layout(scratch);
-    Tile s = Tile::carve(layout, d, dvp, plan.ld_k, plan.ld_v);
+    Tile s = Tile::carve(layout, d, dvp, plan.ld_k, plan.ld_v, plan.workspace_bytes,
+                         plan.k_tile_bytes + plan.v_tile_bytes);
+    // Engines with their own operand formats take Q unscaled and scale the logits in f32.
+    const bool own_format = kk().pack_q != nullptr;
+    const float q_scale = own_format ? 1.0f : qscale;
     const i64 h = it.head;
     const i64* positions = rows.data() + it.first;
     for (i64 r = 0; r < nrows; ++r) {
       const RowRef qr = p.q_row(tiling.queries.order()[std::size_t(positions[r])]);
       const TensorView& q = *qr.view;
-      load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, qscale,
+      load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, q_scale,
                     s.row);
       for (i64 e = 0; e < d; ++e) s.qt[e * s.ld_rows + r] = s.row[e];
     }
@@ -193,7 +212,8 @@ struct Call {
       std::fill(s.qt + e * s.ld_rows + nrows, s.qt + (e + 1) * s.ld_rows, 0.0f);
     std::fill(s.m, s.m + rows_p, kNegInf);
     std::fill(s.l, s.l + rows_p, 0.0f);
-    std::fill(s.o, s.o + nrows * s.ld_o, 0.0f);
+    std::fill(s.o, s.o + rows_p * s.ld_o, 0.0f);
+    if (own_format) kk().pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), qscale, s.ws);
 
     const auto& kblocks = tiling.keys.blocks();
     const auto selected = map.selected(b, h, it.qblock);
@@ -246,14 +266,23 @@ struct Call {
         all = all && s.ok[jj];
       }
       if (!any) continue;
-      kk().qk(s.k, plan.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(keys), int(rows_p), int(d),
-              nullptr);
+      const void* k_tile = s.k;
+      const void* v_tile = s.v;
+      if (kk().pack_k != nullptr) {
+        auto* kv = static_cast<unsigned char*>(s.kv);
+        kk().pack_k(s.k, plan.ld_k, int(keys), int(d), kv);
+        kk().pack_v(s.v, plan.ld_v, int(keys), int(dvp), kv + plan.k_tile_bytes);
+        k_tile = kv;
+        v_tile = kv + plan.k_tile_bytes;
+      }
+      kk().qk(k_tile, plan.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(keys), int(rows_p), int(d),
+              s.ws);
       if (!all)
         for (i64 jj = 0; jj < keys; ++jj)
           if (!s.ok[jj]) std::fill(s.st + jj * s.ld_rows, s.st + (jj + 1) * s.ld_rows, kNegInf);
       kk().softmax_tile(s.st, s.ld_rows, int(keys), int(rows_p), s.m, s.l, s.alpha);
-      kk().pv(s.st, s.ld_rows, s.v, plan.ld_v, s.o, s.ld_o, s.alpha, int(nrows), int(keys),
-              int(dvp), nullptr);
+      kk().pv(s.st, s.ld_rows, v_tile, plan.ld_v, s.o, s.ld_o, s.alpha, int(nrows), int(keys),
+              int(dvp), s.ws);
     }
 
     const bool gated = gate.has_value();
@@ -335,7 +364,8 @@ class VideoSparseImpl final : public Impl {
  public:
   VideoSparseImpl(const Backend& backend, const ImplConfig& config)
       : Impl(backend, config),
-        engine_(&flash::select_engine(flash::process_cap(), DType::F32, flash::ComputeDtype::f32)) {
+        cap_(flash::options_cap(config.backend_kwargs)),
+        compute_(flash::parse_compute_dtype(config.backend_kwargs)) {
     (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
   }
 
@@ -348,12 +378,24 @@ class VideoSparseImpl final : public Impl {
              p.segments[a].k_end != p.segments[c].k_end))
           throw Unsupported("supports_multi_doc_packed_varlen",
                             "backend VIDEO_SPARSE needs one key range per batch item");
-    auto plan = std::make_unique<SparsePlan>(p.signature, engine_->kernels());
-    plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
+    // FLASH's engines, chosen the same way (the isa option or DATTN_ISA, compute_dtype, the
+    // operands' dtype).
+    const flash::Engine& engine = flash::select_engine(cap_, flash::operand_dtype(p), compute_);
+    auto plan = std::make_unique<SparsePlan>(p.signature, engine.kernels());
+    const TileKernels& kk = plan->kernels;
+    plan->dv_padded = round_up(std::max<i64>(p.dv, 1), kk.col_align);
     plan->ld_k = round_up(p.d, 16) + kStridePad;
     plan->ld_v = plan->dv_padded + kStridePad;
     plan->threads = std::max(p.threads, 1);
-    plan->scratch_floats = Tile::floats(p.d, plan->dv_padded, plan->ld_k, plan->ld_v);
+    if (kk.workspace_bytes != nullptr) {
+      plan->workspace_bytes =
+          kk.workspace_bytes(int(round_up(kMaxRows, kk.row_align)), int(p.d), int(plan->dv_padded));
+      plan->k_tile_bytes = kk.k_tile_bytes(int(p.d));
+      plan->v_tile_bytes = kk.v_tile_bytes(int(plan->dv_padded));
+    }
+    plan->scratch_floats =
+        Tile::floats(p.d, plan->dv_padded, plan->ld_k, plan->ld_v, plan->workspace_bytes,
+                     plan->k_tile_bytes + plan->v_tile_bytes);
     return plan;
   }
 
@@ -413,8 +455,11 @@ class VideoSparseImpl final : public Impl {
           for (i64 kb = 0; kb < nkb; ++kb)
             call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
           float* scratch = flash::thread_floats(plan.scratch_floats);
+          const TileKernels& kk = plan.kernels;
+          if (kk.thread_begin != nullptr) kk.thread_begin();
 #pragma omp for schedule(dynamic, 1)
           for (i64 n = 0; n < count; ++n) call.process(b, items[std::size_t(n)], scratch);
+          if (kk.thread_end != nullptr) kk.thread_end();
         }
       }
     }
@@ -469,7 +514,8 @@ class VideoSparseImpl final : public Impl {
   };
 
   // The f32 engine at or below DATTN_ISA's cap (VIDEO_SPARSE's tiles use no engine workspace).
-  const flash::Engine* engine_;
+  const flash::Engine* cap_;  // nullptr: automatic
+  flash::ComputeDtype compute_;
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
   mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call
