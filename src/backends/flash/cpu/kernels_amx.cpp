@@ -38,18 +38,25 @@ namespace amx_impl {
 #include "backends/flash/cpu/avx512_bf16_ops.hpp"
 #include "backends/flash/cpu/bf16_pairs.hpp"
 
+// The tile configuration: palette 1, tiles 0-7 of 16 rows x 64 bytes (bytes 16-47: bytes per
+// row of each tile as uint16; bytes 48-63: rows). A constant in memory: GCC 12's
+// _tile_loadconfig tells the compiler it reads only 8 bytes of it.
+struct alignas(64) TileConfig {
+  unsigned char palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  unsigned char rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+static_assert(sizeof(TileConfig) == 64);
+const TileConfig kTileConfig{};
+
 // The tile instructions take their tile numbers as literals (GCC pastes them into the
-// assembly), hence the if-constexpr ladders.
+// assembly), hence the if-constexpr ladders. GCC 12's tile loads are asm statements that do not
+// tell the compiler they read memory: a compiler barrier before each keeps the vector stores
+// that fill the operands (packing, transposition, O rescaling) ahead of them.
 struct Tiles {
   static inline thread_local bool configured = false;
   static void begin() {
-    alignas(64) unsigned char config[64] = {};
-    config[0] = 1;  // palette 1
-    for (int t = 0; t < 8; ++t) {
-      config[16 + 2 * t] = 64;  // bytes per row (uint16, little-endian)
-      config[48 + t] = 16;      // rows
-    }
-    _tile_loadconfig(config);
+    _tile_loadconfig(&kTileConfig);
     configured = true;
   }
   static void end() {
@@ -70,6 +77,7 @@ struct Tiles {
   }
   template <int t>
   static void load(const void* p, long stride) {
+    __asm__ volatile("" ::: "memory");
     if constexpr (t == 0) _tile_loadd(0, p, stride);
     if constexpr (t == 1) _tile_loadd(1, p, stride);
     if constexpr (t == 2) _tile_loadd(2, p, stride);
