@@ -8,6 +8,7 @@
 #include <set>
 
 #include "dattn/attention.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/video_sparse.hpp"
 #include "test_inputs.hpp"
@@ -500,6 +501,31 @@ TEST(VideoSparseBackend, RefusesWhatItCannotServeAndFallsBackOnlyWhenAsked) {
   EXPECT_NE(Attention(autocfg).backend().name(), "VIDEO_SPARSE");
 }
 
+// The isa option caps the FLASH engine that runs the blocks (an f32 engine: K/V are packed as
+// f32); compute_dtype bf16 is accepted and computes in f32. last_engine() names it.
+TEST(VideoSparseBackend, TheIsaOptionPicksTheEngine) {
+  Case c;
+  const SparseInputs r = inputs(c, 91);
+  const ForwardResult want = reference(c, r, std::nullopt);
+  for (const char* isa : {"portable", "avx512_bf16_emulated"}) {
+    SCOPED_TRACE(isa);
+    const Attention layer(sparse_config(
+        c,
+        {{"topk", i64(1000)}, {"isa", std::string(isa)}, {"compute_dtype", std::string("bf16")}}));
+    expect_close(layer.forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true), want, 1e-5);
+    const std::string engine = layer.last_engine();
+    EXPECT_FALSE(engine.empty());
+    if (std::string(isa) == "portable") {
+      EXPECT_EQ(engine, "portable");
+    }
+    for (const EngineInfo& e : flash_engines()) {
+      if (e.name == engine) {
+        EXPECT_EQ(e.compute_dtype, "f32") << engine;
+      }
+    }
+  }
+}
+
 TEST(VideoSparseBackend, BadOptionsNameTheOption) {
   Case c;
   const SparseInputs r = inputs(c, 81);
@@ -524,6 +550,9 @@ TEST(VideoSparseBackend, BadOptionsNameTheOption) {
   const Tensor gate = Tensor::zeros({c.batch, c.seq, c.hq + 1}, DType::F32);
   EXPECT_EQ(field_of({{"gate", gate.view()}}), "gate");
   EXPECT_EQ(field_of({{"unknown_key", i64(3)}}), "<none>");
+  // FLASH's engine options, checked as FLASH checks them.
+  EXPECT_EQ(field_of({{"isa", std::string("sse9")}}), "isa");
+  EXPECT_EQ(field_of({{"compute_dtype", std::string("f64")}}), "compute_dtype");
   // A bad layout is an InvalidArgument naming it; nothing is written.
   AttentionMetadata bad = r.meta;
   bad.video_layout = one_tail(0, {100, 100, 100});

@@ -331,11 +331,25 @@ void check_gate(const TensorView& g, const AttentionProblem& p) {
                                       "] of f32, bf16 or f16");
 }
 
+// The FLASH engine that runs the selected blocks: K/V are packed as f32 rows, so the best f32
+// engine at or below the cap of the `isa` option (else DATTN_ISA's), as FLASH picks for an exact
+// call. compute_dtype is checked as FLASH checks it; bf16 is allowed and computes in f32, as
+// every call where no bf16 engine runs (docs/semantics.md, "Compute precision").
+const flash::Engine& sparse_engine(const BackendOptions& options) {
+  const flash::Engine* cap = flash::process_cap();
+  if (const auto it = options.find("isa"); it != options.end()) {
+    const auto* name = std::get_if<std::string>(&it->second);
+    if (name == nullptr) throw InvalidArgument("isa", "backend option isa must be a string");
+    cap = &flash::engine_named(*name, "isa");
+  }
+  (void)flash::parse_compute_dtype(options);
+  return flash::select_engine(cap, DType::F32, flash::ComputeDtype::f32);
+}
+
 class VideoSparseImpl final : public Impl {
  public:
   VideoSparseImpl(const Backend& backend, const ImplConfig& config)
-      : Impl(backend, config),
-        engine_(&flash::select_engine(flash::process_cap(), DType::F32, flash::ComputeDtype::f32)) {
+      : Impl(backend, config), engine_(&sparse_engine(config.backend_kwargs)) {
     (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
   }
 
