@@ -146,6 +146,8 @@ void expect_sane(const PeakGflops& p, int threads) {
   }
   // Measured exactly where this process may run AMX tiles (never attempted elsewhere).
   EXPECT_EQ(p.amx_bf16.has_value(), !detail::amx_unavailable().has_value());
+  EXPECT_EQ(p.amx_bf16_unavailable, detail::amx_unavailable().value_or(""));
+  EXPECT_EQ(p.bf16_dot_unavailable.empty(), p.bf16_dot.has_value());
   if (p.amx_bf16) {
     EXPECT_TRUE(std::isfinite(*p.amx_bf16));
     EXPECT_GT(*p.amx_bf16, 0.0);

@@ -37,6 +37,9 @@ struct PeakGflops {
   // them, the OS enables the tile state and Linux grants the process its permission); absent
   // otherwise, and then no tile instruction is ever executed.
   std::optional<double> amx_bf16;
+  // Why bf16_dot / amx_bf16 are absent (empty when measured): e.g. "this CPU lacks AVX512-BF16",
+  // or why this process cannot run AMX tiles (no AMX, no OS support, Linux refused the tiles).
+  std::string bf16_dot_unavailable, amx_bf16_unavailable;
 };
 
 // Measures the machine's peak with a register-resident loop of independent FMA chains (and, where

@@ -95,5 +95,6 @@ def measure_peak_gflops(threads: int = 0, seconds: float = 0.2) -> dict:
     """The machine's measured peaks in GFLOP/s over `threads` threads (0 = every CPU), as
     `dattn info` reports them: ``f32_fma``, ``bf16_dot`` (vdpbf16ps; None without AVX512-BF16)
     and ``amx_bf16`` (AMX tdpbf16ps; None where this process cannot run AMX tiles), with the
-    ``threads`` that ran and the f32 ``isa``."""
+    ``threads`` that ran, the f32 ``isa``, and ``bf16_dot_unavailable`` /
+    ``amx_bf16_unavailable``: why that peak is None (None when it was measured)."""
     return dict(_core.measure_peak_gflops(threads, seconds))

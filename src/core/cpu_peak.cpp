@@ -331,15 +331,22 @@ PeakGflops measure_uncached(int threads, double seconds) {
     out.isa = "avx2+fma";
   }
   bf16 = f.avx512_bf16;
+  if (!bf16) out.bf16_dot_unavailable = "this CPU lacks AVX512-BF16 (vdpbf16ps)";
   // Asks Linux for the tile state (once per process) where the CPU has AMX: nothing below runs a
   // tile instruction unless that succeeded.
-  amx = !detail::amx_unavailable().has_value();
+  const std::optional<std::string>& no_amx = detail::amx_unavailable();
+  amx = !no_amx.has_value();
+  if (no_amx) out.amx_bf16_unavailable = *no_amx;
 #elif defined(__aarch64__)
   if (f.neon) {
     f32 = fma_neon;
     lanes = 4;
     out.isa = "neon";
   }
+#endif
+#if !defined(__x86_64__)
+  out.bf16_dot_unavailable = "vdpbf16ps (AVX512-BF16) is an x86-64 instruction";
+  out.amx_bf16_unavailable = "AMX is an x86-64 extension";
 #endif
   // The time is shared by the kinds measured.
   const double share = seconds / (1 + int(bf16) + int(amx));
