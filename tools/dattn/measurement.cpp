@@ -16,6 +16,7 @@
 #include "block_map_png.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/threads.hpp"
 #include "dattn/video_sparse.hpp"
 
@@ -307,17 +308,51 @@ void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const
   report.gflops = report.flops / seconds * 1e-9;
 }
 
-void fill_peak(RunReport& report, int threads, DType dtype) {
-  (void)dtype;  // every engine today computes in f32 (bf16/f16 inputs are converted on load)
-  const PeakGflops peak = measure_peak_gflops(threads);
-  // Efficiency is against the peak of the engine that computed the call: FLASH and
-  // VIDEO_SPARSE run f32 FMAs whatever the input dtype, so a bf16 run is measured against the
-  // f32 FMA peak too (never the bf16 dot peak of an engine it did not use). REFERENCE runs
-  // scalar f64 loops; its figure against the f32 peak only says how slow it is.
-  report.peak_gflops = peak.f32_fma;
-  report.peak_kind = "f32_fma";
-  report.engine = report.backend == "REFERENCE" ? "f64 scalar" : "f32 FMA " + peak.isa;
-  report.efficiency = report.peak_gflops > 0 ? report.gflops / report.peak_gflops : 0.0;
+std::string peak_kind_of_engine(const std::string& engine) {
+  for (const EngineInfo& e : flash_engines()) {
+    if (e.name != engine) continue;
+    if (e.emulated) return {};
+    if (e.compute_dtype == "f32") return "f32_fma";
+    if (e.name == "avx512_bf16") return "bf16_dot";
+    if (e.name == "amx") return "amx_bf16";
+    return {};  // an engine whose peak is not measured
+  }
+  return {};
+}
+
+std::optional<double> peak_of_kind(const PeakGflops& peak, const std::string& kind) {
+  if (kind == "f32_fma") return peak.f32_fma;
+  if (kind == "bf16_dot") return peak.bf16_dot;
+  if (kind == "amx_bf16") return peak.amx_bf16;
+  return std::nullopt;
+}
+
+void fill_peak(RunReport& report, const std::string& engine, int threads) {
+  report.engine = engine;
+  report.peak_kind = peak_kind_of_engine(engine);
+  report.peak_gflops.reset();
+  report.efficiency.reset();
+  report.no_peak.clear();
+  if (engine.empty()) {
+    report.no_peak = "backend " + report.backend + " has no engines";
+    return;
+  }
+  if (report.peak_kind.empty()) {
+    bool emulated = false;
+    for (const EngineInfo& e : flash_engines()) emulated |= e.name == engine && e.emulated;
+    report.no_peak = emulated ? "engine " + engine + " is emulated: its speed is not the hardware's"
+                              : "no measured peak for engine " + engine;
+    return;
+  }
+  // Measured only when a peak is wanted (REFERENCE and emulated runs skip it).
+  const std::optional<double> peak = peak_of_kind(measure_peak_gflops(threads), report.peak_kind);
+  if (!peak || !(*peak > 0)) {
+    report.no_peak = "the " + report.peak_kind + " peak of engine " + engine + " was not measured";
+    report.peak_kind.clear();
+    return;
+  }
+  report.peak_gflops = *peak;
+  report.efficiency = report.gflops / *peak;
 }
 
 double normwise_rel_err(const TensorView& a, const TensorView& b) {
@@ -363,6 +398,7 @@ RunReport measure(const Measurement& m) {
     layer.forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, out.view());
     seconds = std::min(seconds, seconds_since(start));
   }
+  const std::string engine = layer.last_engine();
 
   RunReport report;
   report.signal = m.smooth_signal ? "smooth" : "random";
@@ -401,7 +437,7 @@ RunReport measure(const Measurement& m) {
     }
   }
   fill_run(report, m, ran, layer, threads, seconds);
-  fill_peak(report, threads, m.dtype);
+  fill_peak(report, engine, threads);
   return report;
 }
 

@@ -108,6 +108,7 @@ RunReport measure_paged(const Measurement& m) {
   layer.forward_paged(call);
   RunReport r = base_report(m, layer.backend().name(), threads);
   r.seconds = seconds_of([&] { layer.forward_paged(call); }, m.reps);
+  const std::string engine = layer.last_engine();
   r.flops = attention_flops(w);
   r.gflops = r.flops / r.seconds * 1e-9;
   r.page_block = bs;
@@ -128,7 +129,7 @@ RunReport measure_paged(const Measurement& m) {
     r.check = RowCheck{w.batch * w.query_rows, 0.0, err};
     r.checked_against = "FLASH dense, normwise over every row";
   }
-  fill_peak(r, threads, m.dtype);
+  fill_peak(r, engine, threads);
   return r;
 }
 
@@ -183,6 +184,7 @@ RunReport measure_prefix_reuse(const Measurement& m) {
   layer.forward_paged(call);
   RunReport r = base_report(m, layer.backend().name(), threads);
   r.seconds = seconds_of([&] { layer.forward_paged(call); }, m.reps);
+  const std::string engine = layer.last_engine();  // of the timed steps, not the recompute
   r.recompute_seconds = recompute;
   r.flops = 4.0 * double(w.head_size) * double(target) * double(all) * double(w.heads);
   r.gflops = r.flops / r.seconds * 1e-9;
@@ -196,7 +198,7 @@ RunReport measure_prefix_reuse(const Measurement& m) {
     r.check = RowCheck{target, 0.0, normwise_rel_err(got, Tensor::copy_of(want).view())};
     r.checked_against = "the recomputed rows, normwise";
   }
-  fill_peak(r, threads, m.dtype);
+  fill_peak(r, engine, threads);
   return r;
 }
 
