@@ -112,6 +112,9 @@ int run_bench(const BenchOptions& options) {
     if (!w) return kExitUsage;
     chosen.push_back(*w);
   }
+  // Before any measurement: --isa / --compute-dtype with a backend that has no engines.
+  for (const std::string& backend : backends)
+    check_engine_options(measurement_for(chosen.front(), options.measure), backend);
   std::vector<RunReport> reports;
   for (const Workload& w : chosen)
     for (const std::string& dtype : dtypes)

@@ -17,6 +17,8 @@
 #include "dattn/attention.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/engines.hpp"
+#include "dattn/errors.hpp"
+#include "dattn/registry.hpp"
 #include "dattn/threads.hpp"
 #include "dattn/video_sparse.hpp"
 
@@ -255,6 +257,25 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
       .add_option("--page-dtype", options.page_dtype,
                   "Dtype of the pages with --paged (default: the inputs'; --kv-dtype overrides)")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  command
+      .add_option("--compute-dtype", options.compute_dtype,
+                  "FLASH / VIDEO_SPARSE backend option compute_dtype: f32 (exact to the inputs, "
+                  "the default) or bf16 (f32/f16 inputs may then run on a bf16 engine)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  std::string engines;
+  for (const EngineInfo& e : flash_engines()) engines += (engines.empty() ? "" : ", ") + e.name;
+  command
+      .add_option("--isa", options.isa,
+                  "FLASH / VIDEO_SPARSE backend option isa: cap the engines at this one (an "
+                  "emulated engine by its exact name): " +
+                      engines)
+      ->check(CLI::Validator(
+          [engines](std::string& name) -> std::string {
+            for (const EngineInfo& e : flash_engines())
+              if (names_equal(name, e.name)) return {};
+            return "'" + name + "' is not a FLASH engine; valid: " + engines;
+          },
+          "ENGINE"));
   command.add_flag("--fallback", options.fallback,
                    "Run a call the chosen backend cannot serve on the best exact backend that can "
                    "(reported), instead of failing");
@@ -288,7 +309,35 @@ Measurement measurement_for(const Workload& workload, const MeasureOptions& opti
   if (!options.kv_dtype.empty()) m.kv_dtype = parse_kv_cache_dtype(options.kv_dtype);
   m.page_block = options.paged;
   if (!options.page_dtype.empty()) m.page_dtype = parse_dtype(options.page_dtype);
+  if (!options.compute_dtype.empty()) m.backend_options["compute_dtype"] = options.compute_dtype;
+  if (!options.isa.empty()) m.backend_options["isa"] = options.isa;
   return m;
+}
+
+BackendOptions engine_options(const Measurement& m) {
+  BackendOptions out;
+  for (const char* key : {"isa", "compute_dtype"})
+    if (const auto it = m.backend_options.find(key); it != m.backend_options.end()) out.insert(*it);
+  return out;
+}
+
+void check_engine_options(const Measurement& m, const std::string& backend) {
+  const BackendOptions engine = engine_options(m);
+  if (engine.empty()) return;
+  const bool isa = engine.count("isa") != 0;
+  const std::string option = isa ? "--isa" : "--compute-dtype";
+  if (!backend.empty() && !names_equal(backend, "auto") && !names_equal(backend, "FLASH") &&
+      !names_equal(backend, "VIDEO_SPARSE"))
+    throw InvalidArgument(isa ? "isa" : "compute_dtype",
+                          option +
+                              " applies to FLASH's engines (run by FLASH and VIDEO_SPARSE); "
+                              "backend " +
+                              backend + " has none");
+  if (const auto it = engine.find("isa"); it != engine.end())
+    for (const EngineInfo& e : flash_engines())
+      if (names_equal(std::get<std::string>(it->second), e.name) && e.unavailable_reason)
+        throw NotAvailable("isa", "--isa " + e.name + ": this CPU cannot run engine " + e.name +
+                                      ": " + *e.unavailable_reason);
 }
 
 void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const Attention& layer,
@@ -382,6 +431,7 @@ RunReport measure(const Measurement& m) {
   config.allow_fallback = m.allow_fallback;
   config.kv_cache_dtype = m.kv_dtype;
   const Attention layer(config);
+  check_engine_options(m, layer.backend().name());
 
   progress("building inputs of " + workload.name + "...");
   WorkloadInputs inputs = build_workload_inputs(workload, m.dtype, m.seed);

@@ -62,6 +62,14 @@ void fill_peak(RunReport& report, const std::string& engine, int threads);
 // ||a - b|| / ||b|| over all elements of two tensors of one shape.
 double normwise_rel_err(const TensorView& a, const TensorView& b);
 
+// The backend options of `m` that choose FLASH's engine: isa and compute_dtype, where given.
+BackendOptions engine_options(const Measurement& m);
+// With --isa or --compute-dtype given (engine_options(m) not empty): throws InvalidArgument
+// naming the option when `backend` is a backend without FLASH's engines (FLASH and VIDEO_SPARSE
+// have them; "auto" or "" is checked once the layer has chosen), and NotAvailable naming --isa
+// when this CPU cannot run the engine it names.
+void check_engine_options(const Measurement& m, const std::string& backend);
+
 // The workload table, one line each.
 void print_workloads(std::ostream& os);
 

@@ -102,7 +102,9 @@ RunReport measure_paged(const Measurement& m) {
                                                    ids.begin() + (b + 1) * pages_per_seq)});
   AttentionConfig config = workload_attention_config(w, m.dtype);
   config.backend = m.backend;
+  config.backend_options = engine_options(m);  // the sparse options don't apply to pages
   const Attention layer(config);
+  check_engine_options(m, layer.backend().name());
   if (m.progress)
     std::cerr << m.progress_prefix << "paged warm-up on " << layer.backend().name() << "\n";
   layer.forward_paged(call);
@@ -151,7 +153,9 @@ RunReport measure_prefix_reuse(const Measurement& m) {
   const WorkloadInputs in = build_workload_inputs(w, m.dtype, m.seed);
   AttentionConfig config = workload_attention_config(w, m.dtype);
   config.backend = m.backend;
+  config.backend_options = engine_options(m);
   const Attention layer(config);
+  check_engine_options(m, layer.backend().name());
   const auto progress = [&m](const std::string& s) {
     if (m.progress) std::cerr << m.progress_prefix << s << std::endl;
   };

@@ -74,6 +74,7 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   AttentionConfig pconfig = config;
   pconfig.parallel = make_parallel_strategy(parallel, world);
   const Attention layer(pconfig);
+  check_engine_options(m, layer.backend().name());
 
   progress("building inputs of " + w.name + " on " + std::to_string(P) + " ranks...");
   const WorkloadInputs inputs = build_workload_inputs(w, m.dtype, m.seed);
