@@ -62,6 +62,34 @@ if(NOT engine0 STREQUAL "portable" OR NOT engine0_available)
   message(FATAL_ERROR "engines[0] is not an available portable engine:\n${INFO_OUT}")
 endif()
 
+# ---- dattn info: every kind of peak, measured or "none" with the reason ----
+string(JSON f32_peak_type TYPE "${INFO_OUT}" peak_gflops f32_fma)
+if(NOT f32_peak_type STREQUAL "NUMBER")
+  message(FATAL_ERROR "dattn info --json: peak_gflops.f32_fma is not a number:\n${INFO_OUT}")
+endif()
+foreach(kind bf16_dot amx_bf16)
+  string(JSON kind_type ERROR_VARIABLE json_error TYPE "${INFO_OUT}" peak_gflops ${kind})
+  string(JSON why_type ERROR_VARIABLE why_error TYPE "${INFO_OUT}" peak_gflops
+         ${kind}_unavailable)
+  # Either a measured rate, or null with the reason it is absent.
+  if(json_error OR why_error OR NOT ((kind_type STREQUAL "NUMBER" AND why_type STREQUAL "NULL")
+                                     OR (kind_type STREQUAL "NULL" AND why_type STREQUAL "STRING")))
+    message(FATAL_ERROR "dattn info --json: peak_gflops.${kind} (${kind_type}) and "
+                        "${kind}_unavailable (${why_type}) disagree:\n${INFO_OUT}")
+  endif()
+endforeach()
+string(JSON engine0_peak GET "${INFO_OUT}" engines 0 peak_kind)
+if(NOT engine0_peak STREQUAL "f32_fma")
+  message(FATAL_ERROR "dattn info --json: the portable engine's peak_kind is '${engine0_peak}'")
+endif()
+run_dattn(INFOTEXT info --threads 1)
+expect_success(INFOTEXT "dattn info")
+foreach(kind "f32 FMA" "bf16 dot \\(vdpbf16ps\\)" "AMX tiles \\(tdpbf16ps\\)")
+  if(NOT INFOTEXT_OUT MATCHES " (none|[0-9.]+) ${kind}")
+    message(FATAL_ERROR "dattn info does not list the ${kind} peak:\n${INFOTEXT_OUT}")
+  endif()
+endforeach()
+
 # ---- dattn run --json: the default workload, checked against REFERENCE ----
 run_dattn(RUN run --json)
 expect_success(RUN "dattn run --json")
@@ -79,6 +107,80 @@ if(NOT rel_err_type STREQUAL "NUMBER" OR NOT max_rel_err LESS 1e-3)
   message(FATAL_ERROR "max_rel_err = ${max_rel_err} is not a number below 1e-3\n${RUN_OUT}")
 endif()
 message(STATUS "dattn run --json: ${RUN_OUT}")
+
+# ---- the engine that computed a run, and efficiency against that engine's peak ----
+# Runs `small` (one head, 2 rows checked) with ARGN; sets <prefix>_OUT to its JSON line and
+# checks engine and peak_kind ("null" for none, in which case efficiency must be null too).
+function(expect_engine prefix engine peak_kind)
+  run_dattn(${prefix} run --workload small --heads 1 --reps 1 --check-rows 2 --json ${ARGN})
+  expect_success(${prefix} "dattn run ${ARGN}")
+  set(out "${${prefix}_OUT}")
+  string(JSON got_engine GET "${out}" engine)
+  string(JSON got_kind_type TYPE "${out}" peak_kind)
+  string(JSON got_kind GET "${out}" peak_kind)
+  string(JSON eff_type TYPE "${out}" efficiency)
+  string(JSON peak_type TYPE "${out}" peak_gflops)
+  if(peak_kind STREQUAL "null")
+    set(ok FALSE)
+    if(got_kind_type STREQUAL "NULL" AND eff_type STREQUAL "NULL" AND peak_type STREQUAL "NULL")
+      set(ok TRUE)
+    endif()
+  else()
+    set(ok FALSE)
+    if(got_kind STREQUAL "${peak_kind}" AND eff_type STREQUAL "NUMBER"
+       AND peak_type STREQUAL "NUMBER")
+      set(ok TRUE)
+    endif()
+  endif()
+  if(NOT got_engine STREQUAL "${engine}" OR NOT ok)
+    message(FATAL_ERROR "dattn run ${ARGN}: expected engine ${engine} with peak_kind "
+                        "${peak_kind}, got:\n${out}")
+  endif()
+endfunction()
+# avx2 where this CPU runs it (info's engines[1]), else portable: an f32 engine, held to the
+# f32 FMA peak.
+string(JSON engine1 GET "${INFO_OUT}" engines 1 name)
+string(JSON engine1_available GET "${INFO_OUT}" engines 1 available)
+set(f32_engine portable)
+if(engine1 STREQUAL "avx2" AND engine1_available)
+  set(f32_engine avx2)
+endif()
+expect_engine(ISA_F32 ${f32_engine} f32_fma --isa ${f32_engine})
+# Emulated engines get no peak and no efficiency: bf16 inputs, and f32 inputs with
+# --compute-dtype bf16.
+expect_engine(ISA_EMU avx512_bf16_emulated null --dtype bf16 --isa avx512_bf16_emulated)
+expect_engine(ISA_EMU_F32 avx512_bf16_emulated null --compute-dtype bf16
+              --isa avx512_bf16_emulated)
+# REFERENCE has no engine, hence no peak.
+expect_engine(REF_ENGINE "" null --backend reference)
+# The bench table names the engine and prints '-' for the missing peak; the chart names it.
+run_dattn(BENCH_EMU bench --workload small --heads 1 --reps 1 --check-rows 2 --dtype bf16
+          --isa avx512_bf16_emulated --svg "${WORKDIR}/bench_emulated.svg")
+expect_success(BENCH_EMU "dattn bench --isa avx512_bf16_emulated")
+if(NOT BENCH_EMU_OUT MATCHES "engine" OR
+   NOT BENCH_EMU_OUT MATCHES "FLASH +bf16 +avx512_bf16_emulated +[0-9]+ +[0-9.]+ +[0-9.]+ +- ")
+  message(FATAL_ERROR "dattn bench --isa avx512_bf16_emulated: no engine column or a peak "
+                      "where there is none:\n${BENCH_EMU_OUT}")
+endif()
+file(READ "${WORKDIR}/bench_emulated.svg" emu_svg)
+if(NOT emu_svg MATCHES "FLASH bf16 \\(avx512_bf16_emulated\\)" OR NOT emu_svg MATCHES ">n/a<")
+  message(FATAL_ERROR "dattn bench --svg does not name the engine or marks a peak:\n${emu_svg}")
+endif()
+# Bad values: a usage error naming the option; engine options on a backend without engines:
+# an error naming the option.
+foreach(bad "--isa;sse9" "--compute-dtype;f64")
+  list(GET bad 0 option)
+  run_dattn(BADOPT run --workload small --heads 1 ${bad})
+  if(NOT BADOPT_RC EQUAL 2 OR NOT "${BADOPT_OUT}${BADOPT_ERR}" MATCHES "${option}")
+    message(FATAL_ERROR "dattn run ${bad} exited with ${BADOPT_RC}, without naming ${option}:\n"
+                        "${BADOPT_OUT}${BADOPT_ERR}")
+  endif()
+endforeach()
+run_dattn(BADBACKEND bench --workload small --heads 1 --backend reference --isa portable)
+if(NOT BADBACKEND_RC EQUAL 1 OR NOT BADBACKEND_ERR MATCHES "--isa.*REFERENCE|--isa.*reference")
+  message(FATAL_ERROR "dattn bench --backend reference --isa portable should fail naming --isa:"
+                      "\n${BADBACKEND_OUT}${BADBACKEND_ERR}")
+endif()
 
 # ---- --threads above the limit (1024): a usage error naming it, not a crash in OpenMP ----
 foreach(command run bench info)
@@ -182,7 +284,8 @@ foreach(key block_sparsity dense_rel_err max_rel_err selection_seconds)
   endif()
 endforeach()
 string(JSON sparse_err GET "${SPARSE_OUT}" max_rel_err)
-if(NOT sparse_err LESS 1e-4)
+string(JSON sparse_engine GET "${SPARSE_OUT}" engine)
+if(NOT sparse_err LESS 1e-4 OR sparse_engine STREQUAL "")
   message(FATAL_ERROR "VIDEO_SPARSE differs from REFERENCE under its block mask:\n${SPARSE_OUT}")
 endif()
 file(READ "${WORKDIR}/blocks.png" png_head LIMIT 8 HEX)
@@ -203,7 +306,9 @@ string(JSON page_block GET "${PAGED_OUT}" page_block)
 string(JSON kv_err GET "${PAGED_OUT}" kv_rel_err)
 string(JSON kv_bytes GET "${PAGED_OUT}" kv_cache_bytes)
 string(JSON f32_bytes GET "${PAGED_OUT}" kv_f32_bytes)
-if(NOT page_block EQUAL 16 OR NOT kv_err LESS 0.05 OR NOT kv_bytes LESS f32_bytes)
+string(JSON paged_engine GET "${PAGED_OUT}" engine)  # planned inside FLASH's forward_paged
+if(NOT page_block EQUAL 16 OR NOT kv_err LESS 0.05 OR NOT kv_bytes LESS f32_bytes
+   OR paged_engine STREQUAL "")
   message(FATAL_ERROR "dattn run --paged --kv-dtype int8 reports wrong figures:\n${PAGED_OUT}")
 endif()
 run_dattn(REUSE run --workload prefix-reuse --heads 1 --json)
@@ -244,7 +349,9 @@ if(MPIEXEC)
   string(JSON par_ranks GET "${par_out}" ranks)
   string(JSON par_name GET "${par_out}" parallel)
   string(JSON par_err_value GET "${par_out}" max_rel_err)
-  if(NOT par_ranks EQUAL 2 OR NOT par_name STREQUAL "ring" OR NOT par_err_value LESS 1e-5)
+  string(JSON par_engine GET "${par_out}" engine)
+  if(NOT par_ranks EQUAL 2 OR NOT par_name STREQUAL "ring" OR NOT par_err_value LESS 1e-5
+     OR par_engine STREQUAL "")
     message(FATAL_ERROR "dattn run --parallel ring over 2 ranks reports:\n${par_out}")
   endif()
 endif()

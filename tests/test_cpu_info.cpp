@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/amx_permission.hpp"
 #include "dattn/cpu_info.hpp"
 
 namespace dattn {
@@ -143,6 +144,14 @@ void expect_sane(const PeakGflops& p, int threads) {
     EXPECT_TRUE(std::isfinite(*p.bf16_dot));
     EXPECT_GT(*p.bf16_dot, 0.0);
   }
+  // Measured exactly where this process may run AMX tiles (never attempted elsewhere).
+  EXPECT_EQ(p.amx_bf16.has_value(), !detail::amx_unavailable().has_value());
+  EXPECT_EQ(p.amx_bf16_unavailable, detail::amx_unavailable().value_or(""));
+  EXPECT_EQ(p.bf16_dot_unavailable.empty(), p.bf16_dot.has_value());
+  if (p.amx_bf16) {
+    EXPECT_TRUE(std::isfinite(*p.amx_bf16));
+    EXPECT_GT(*p.amx_bf16, 0.0);
+  }
 }
 
 TEST(CpuPeak, OneThread) {
@@ -151,6 +160,7 @@ TEST(CpuPeak, OneThread) {
   EXPECT_EQ(p.threads, 1);
   std::printf("peak 1 thread: %.1f GFLOP/s f32 (%s)", p.f32_fma, p.isa.c_str());
   if (p.bf16_dot) std::printf(", %.1f GFLOP/s bf16 dot", *p.bf16_dot);
+  if (p.amx_bf16) std::printf(", %.1f GFLOP/s AMX bf16", *p.amx_bf16);
   std::printf("\n");
 }
 
@@ -159,6 +169,7 @@ TEST(CpuPeak, CachedPerThreadCount) {
   const PeakGflops b = measure_peak_gflops(1, 0.05);
   EXPECT_EQ(a.f32_fma, b.f32_fma);  // the cached value, bit for bit
   EXPECT_EQ(a.bf16_dot, b.bf16_dot);
+  EXPECT_EQ(a.amx_bf16, b.amx_bf16);
   EXPECT_EQ(a.threads, b.threads);
   EXPECT_EQ(a.isa, b.isa);
 

@@ -409,6 +409,49 @@ TEST(PagePool, LayersOfBothLayoutsAreIndependentAndAttendCorrectly) {
   }
 }
 
+// Attention::last_engine(): the engine of the plan that ran the layer's latest call, dense or
+// paged; empty before the first call and for a backend without engines.
+TEST(Attention, LastEngineNamesTheEngineThatRanTheLatestCall) {
+  const std::int64_t hq = 2, seq = 20, d = 16;
+  const Tensor q = random_tensor({1, seq, hq, d}, DType::F32, 1);
+  const Tensor k = random_tensor({1, seq, hq, d}, DType::F32, 2);
+  const Tensor v = random_tensor({1, seq, hq, d}, DType::F32, 3);
+
+  AttentionConfig c = testing::layer_config("FLASH", hq, hq, d);
+  c.backend_options["isa"] = std::string("portable");
+  const Attention flash(c);
+  EXPECT_EQ(flash.last_engine(), "");
+  (void)flash.forward(q.view(), k.view(), v.view());
+  EXPECT_EQ(flash.last_engine(), "portable");
+
+  // compute_dtype bf16 on f32 inputs under the emulated cap: the emulated bf16 engine.
+  c.backend_options["isa"] = std::string("avx512_bf16_emulated");
+  c.backend_options["compute_dtype"] = std::string("bf16");
+  const Attention emulated(c);
+  (void)emulated.forward(q.view(), k.view(), v.view());
+  EXPECT_EQ(emulated.last_engine(), "avx512_bf16_emulated");
+
+  const Attention reference(testing::layer_config("REFERENCE", hq, hq, d));
+  (void)reference.forward(q.view(), k.view(), v.view());
+  EXPECT_EQ(reference.last_engine(), "");
+
+  // A paged call plans inside FLASH's forward_paged: its engine is reported all the same.
+  PagePoolConfig pc;
+  pc.num_blocks = 2, pc.block_size = 16, pc.kv_heads = hq, pc.head_size = d;
+  PagePool pool(pc);
+  Tensor out = Tensor::zeros({seq, hq, d}, DType::F32);
+  PagedAttentionCall call;
+  const auto rows = [&](const Tensor& t) { return TensorView(t.data(), DType::F32, {seq, hq, d}); };
+  call.q = rows(q), call.k_new = rows(k), call.v_new = rows(v), call.out = out.view();
+  call.cache = pool.layer(0);
+  call.rows = {{seq, seq, 0, pool.allocate(2)}};
+  AttentionConfig pc_config = testing::layer_config("FLASH", hq, hq, d);
+  pc_config.backend_options["isa"] = std::string("portable");
+  const Attention paged(pc_config);
+  paged.forward_paged(call);
+  EXPECT_EQ(paged.last_engine(), "portable");
+}
+
 // A denoising step on the cached prefix equals a full dense recompute of the target rows.
 TEST(PrefixCache, LaterStepsReuseThePrefixAndEqualDenseRecompute) {
   PagePoolConfig c;

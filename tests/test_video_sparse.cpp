@@ -538,6 +538,35 @@ TEST(VideoSparseBackend, RefusesWhatItCannotServeAndFallsBackOnlyWhenAsked) {
   EXPECT_NE(Attention(autocfg).backend().name(), "VIDEO_SPARSE");
 }
 
+// The isa option caps the FLASH engine that runs the blocks; with compute_dtype bf16 an f32 call
+// may run on a bf16 engine. last_engine() names it.
+TEST(VideoSparseBackend, TheIsaOptionPicksTheEngine) {
+  Case c;
+  const SparseInputs r = inputs(c, 91);
+  const ForwardResult want = reference(c, r, std::nullopt);
+  for (const std::string isa : {"portable", "avx512_bf16_emulated", "amx_emulated"}) {
+    SCOPED_TRACE(isa);
+    const Attention layer(sparse_config(
+        c, {{"topk", i64(1000)}, {"isa", isa}, {"compute_dtype", std::string("bf16")}}));
+    const ForwardResult got = layer.forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
+    if (isa == "portable") {
+      expect_close(got, want, 1e-5);
+    } else {  // Q and K rounded to bf16: the logits move by about 1e-3
+      EXPECT_LE(testing::compare(got.out.view(), want.out.view()).normwise_rel, 1e-2);
+      EXPECT_LE(testing::compare(got.lse->view(), want.lse->view()).max_abs, 1e-2);
+    }
+    EXPECT_EQ(layer.last_engine(), isa);
+  }
+  // The exact default keeps f32 inputs on an f32 engine under a bf16 cap.
+  const Attention exact(
+      sparse_config(c, {{"topk", i64(1000)}, {"isa", std::string("avx512_bf16_emulated")}}));
+  expect_close(exact.forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true), want, 1e-5);
+  for (const EngineInfo& e : flash_engines())
+    if (e.name == exact.last_engine()) {
+      EXPECT_EQ(e.compute_dtype, "f32") << e.name;
+    }
+}
+
 TEST(VideoSparseBackend, BadOptionsNameTheOption) {
   Case c;
   const SparseInputs r = inputs(c, 81);
@@ -562,6 +591,9 @@ TEST(VideoSparseBackend, BadOptionsNameTheOption) {
   const Tensor gate = Tensor::zeros({c.batch, c.seq, c.hq + 1}, DType::F32);
   EXPECT_EQ(field_of({{"gate", gate.view()}}), "gate");
   EXPECT_EQ(field_of({{"unknown_key", i64(3)}}), "<none>");
+  // FLASH's engine options, checked as FLASH checks them.
+  EXPECT_EQ(field_of({{"isa", std::string("sse9")}}), "isa");
+  EXPECT_EQ(field_of({{"compute_dtype", std::string("f64")}}), "compute_dtype");
   // A bad layout is an InvalidArgument naming it; nothing is written.
   AttentionMetadata bad = r.meta;
   bad.video_layout = one_tail(0, {100, 100, 100});

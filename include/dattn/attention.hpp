@@ -74,6 +74,12 @@ class Attention {
   const AttentionConfig& config() const;
   // How the backend was chosen and why others were skipped.
   const Selection& selection() const;
+  // The compute engine that ran this layer's most recent call: Plan::engine() of the plan the
+  // backend that ran it (the layer's own, or a fallback's) last ran, e.g. "avx512",
+  // "avx512_bf16" (dattn/engines.hpp). Dense, paged and sequence-parallel calls alike; empty
+  // before the first call and when that backend has no engines (REFERENCE). With calls on
+  // several threads at once, the engine of one of the latest.
+  std::string last_engine() const;
 
  private:
   struct State;

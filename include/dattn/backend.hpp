@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -78,6 +79,10 @@ class Impl {
   // (defaults to cuda), npu -> run_npu, xpu -> run_xpu.
   void run(const Plan& plan, const AttentionProblem& problem) const;
   void forward(const AttentionProblem& problem) const { run(*plan(problem), problem); }
+  // The engine (Plan::engine()) of the plan this impl last ran to completion through run(), on
+  // any thread (paged calls too where forward_paged plans and runs through run(), as FLASH's
+  // does); empty before the first such run and for backends without engines.
+  std::string last_engine() const;
 
   // One paged-KV call (docs/semantics.md, "Paged KV"). Throws Unsupported unless the backend
   // supports paged KV.
@@ -98,8 +103,12 @@ class Impl {
   [[noreturn]] void no_platform(Platform p) const;
 
  private:
+  void dispatch(const Plan& plan, const AttentionProblem& problem) const;
+
   const Backend& backend_;
   ImplConfig config_;
+  mutable std::mutex engine_mutex_;
+  mutable std::string last_engine_;  // under engine_mutex_
 };
 
 // What a caller asks for when choosing a backend.

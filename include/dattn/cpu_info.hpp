@@ -32,10 +32,19 @@ struct PeakGflops {
   std::optional<double> bf16_dot;  // vdpbf16ps GFLOP/s (2 flops per bf16 pair), if avx512_bf16
   int threads = 1;                 // threads that actually ran
   std::string isa;                 // ISA used for f32: "avx512f", "avx2+fma", "neon" or "scalar"
+  // AMX tdpbf16ps GFLOP/s (2 flops per bf16 pair product; one 16x16x32 tile product = 16384
+  // flops), measured only where this process may run AMX-BF16 tile instructions (the CPU has
+  // them, the OS enables the tile state and Linux grants the process its permission); absent
+  // otherwise, and then no tile instruction is ever executed.
+  std::optional<double> amx_bf16;
+  // Why bf16_dot / amx_bf16 are absent (empty when measured): e.g. "this CPU lacks AVX512-BF16",
+  // or why this process cannot run AMX tiles (no AMX, no OS support, Linux refused the tiles).
+  std::string bf16_dot_unavailable, amx_bf16_unavailable;
 };
 
-// Measures the machine's peak with a register-resident loop of independent FMA chains, run on
-// `threads` OpenMP threads at once, best of a few short trials, about `seconds` in total.
+// Measures the machine's peak with a register-resident loop of independent FMA chains (and, where
+// present, vdpbf16ps chains and tdpbf16ps on tiles loaded once), run on `threads` OpenMP threads
+// at once, best of a few short trials, about `seconds` in total (shared by the kinds measured).
 // threads <= 0 means cpu_features().logical_cpus (at most kMaxThreads); threads above
 // kMaxThreads raise InvalidArgument naming "threads". The result is cached per thread count for the
 // life of the process: later calls with the same count return it without measuring again (and

@@ -92,6 +92,9 @@ def cpu_info() -> dict:
 
 
 def measure_peak_gflops(threads: int = 0, seconds: float = 0.2) -> dict:
-    """The machine's measured f32 FMA (and bf16 dot, where present) peak over `threads`
-    threads (0 = every CPU), as `dattn info` reports it."""
+    """The machine's measured peaks in GFLOP/s over `threads` threads (0 = every CPU), as
+    `dattn info` reports them: ``f32_fma``, ``bf16_dot`` (vdpbf16ps; None without AVX512-BF16)
+    and ``amx_bf16`` (AMX tdpbf16ps; None where this process cannot run AMX tiles), with the
+    ``threads`` that ran, the f32 ``isa``, and ``bf16_dot_unavailable`` /
+    ``amx_bf16_unavailable``: why that peak is None (None when it was measured)."""
     return dict(_core.measure_peak_gflops(threads, seconds))

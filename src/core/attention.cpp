@@ -1,5 +1,6 @@
 #include "dattn/attention.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -71,6 +72,8 @@ struct Attention::State {
   std::unique_ptr<ImplSlot> primary;
   std::mutex fallback_mutex;
   std::map<std::string, std::unique_ptr<ImplSlot>> fallbacks;
+  // The impl that ran the latest call (slots live as long as the layer).
+  std::atomic<const Impl*> last_impl{nullptr};
 
   std::unique_ptr<ImplSlot> make_slot(std::shared_ptr<const Backend> backend) const {
     ImplConfig ic;
@@ -146,6 +149,7 @@ struct Attention::State {
                                               " on " + std::string(platform_name(p.q.platform())));
     if (slot->backend->accept_output_buffer()) {
       slot->impl->run(*slot->plan_for(p), p);
+      last_impl = slot->impl.get();
       return *slot->backend;
     }
     // The backend writes only into a buffer of its own: give it one, then copy.
@@ -153,6 +157,7 @@ struct Attention::State {
     Tensor tmp = Tensor::zeros(caller_out.shape(), caller_out.dtype());
     p.out = tmp.view();
     slot->impl->run(*slot->plan_for(p), p);
+    last_impl = slot->impl.get();
     copy_into(tmp.view(), caller_out);
     return *slot->backend;
   }
@@ -212,6 +217,10 @@ const AttentionConfig& Attention::config() const {
 }
 const Selection& Attention::selection() const {
   return state_->selection;
+}
+std::string Attention::last_engine() const {
+  const Impl* impl = state_->last_impl.load();
+  return impl != nullptr ? impl->last_engine() : std::string();
 }
 
 const Backend& Attention::forward_into(const TensorView& q, const TensorView& k,
@@ -287,11 +296,12 @@ ForwardResult Attention::forward(const TensorView& q, const TensorView& k, const
 }
 
 void Attention::forward_paged(const PagedAttentionCall& call) const {
-  const State& s = *state_;
+  State& s = *state_;
   if (!s.primary->backend->supports_paged_kv())
     throw Unsupported("supports_paged_kv", "backend " + s.primary->backend->name() +
                                                " does not support paged KV attention");
   s.primary->impl->forward_paged(call);
+  s.last_impl = s.primary->impl.get();
 }
 
 }  // namespace dattn

@@ -52,6 +52,18 @@ void Impl::run(const Plan& plan, const AttentionProblem& problem) const {
                                       ": the plan was made for other shapes or metadata than "
                                       "this call (" +
                                       problem.describe() + "); plan again");
+  dispatch(plan, problem);
+  std::string engine = plan.engine();
+  const std::lock_guard lock(engine_mutex_);
+  last_engine_ = std::move(engine);
+}
+
+std::string Impl::last_engine() const {
+  const std::lock_guard lock(engine_mutex_);
+  return last_engine_;
+}
+
+void Impl::dispatch(const Plan& plan, const AttentionProblem& problem) const {
   switch (problem.q.platform()) {
     case Platform::cpu:
       return run_cpu(plan, problem);

@@ -1,15 +1,19 @@
 // Measured peak arithmetic rate: independent FMA chains that live in registers, run on every
 // requested thread at once. Each ISA's loop is compiled with a function target attribute so the
-// file needs no -march flags, and is only called when cpu_features() reports the ISA.
+// file needs no -march flags, and is only called when cpu_features() reports the ISA (the AMX
+// loop only where detail::amx_unavailable() is nullopt: Linux has granted the tile state).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "core/amx_permission.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/errors.hpp"
 
@@ -111,6 +115,79 @@ __attribute__((target("avx512bf16,avx512f"))) float dot_avx512bf16(long long ite
 #undef DATTN_STEP
 #undef DATTN_SUM
   return sum_lanes(s);
+}
+
+// AMX-BF16 (palette 1, every tile 16 rows of 64 bytes): tmm0-3 accumulate 16 x 16 f32, tmm4-5
+// hold A (16 rows of 32 bf16 = 16 pairs), tmm6-7 hold B (16 rows of 16 bf16 pairs, the pair
+// layout tdpbf16ps reads). Each iteration runs the 2 x 2 products C[2i + j] += A[i] . B[j]: four
+// independent tdpbf16ps of 16 x 16 x 32 pair products, 16 * 16 * 32 * 2 = 16384 flops each.
+// A's pairs are (0.5, -0.5) and B's (0.25, 0.25): each pair's products cancel exactly, so the
+// accumulators keep their start values however long it runs. The operands are constants in
+// memory, loaded into the tiles once per call: the loop itself touches no memory.
+constexpr int kTileRows = 16;   // rows of every tile
+constexpr int kTileColsb = 64;  // bytes per row of every tile (16 f32, or 16 bf16 pairs)
+constexpr int kAmxAccumulators = 4;
+constexpr double kAmxFlopsPerIter = kAmxAccumulators * 16.0 * 16 * 32 * 2;
+
+// The 64-byte LDTILECFG operand: byte 0 palette, byte 1 start_row, bytes 16-47 colsb[16]
+// (little-endian uint16), bytes 48-63 rows[16]; tiles 0-7 are configured, 8-15 left unused.
+constexpr std::array<std::uint8_t, 64> amx_tile_config() {
+  std::array<std::uint8_t, 64> c{};
+  c[0] = 1;
+  for (int t = 0; t < 8; ++t) {
+    c[std::size_t(16 + 2 * t)] = std::uint8_t(kTileColsb & 0xff);
+    c[std::size_t(16 + 2 * t + 1)] = std::uint8_t(kTileColsb >> 8);
+    c[std::size_t(48 + t)] = std::uint8_t(kTileRows);
+  }
+  return c;
+}
+
+// One operand tile: every bf16 pair is (even, odd), given as bf16 bit patterns.
+constexpr std::array<std::uint16_t, kTileRows * kTileColsb / 2> amx_operand(std::uint16_t even,
+                                                                            std::uint16_t odd) {
+  std::array<std::uint16_t, kTileRows * kTileColsb / 2> a{};
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = i % 2 == 0 ? even : odd;
+  return a;
+}
+
+alignas(64) constexpr std::array<std::uint8_t, 64> kAmxConfig = amx_tile_config();
+alignas(64) constexpr auto kAmxA = amx_operand(0x3f00, 0xbf00);  // (0.5, -0.5)
+alignas(64) constexpr auto kAmxB = amx_operand(0x3e80, 0x3e80);  // (0.25, 0.25)
+
+// Run on each thread: ldtilecfg is per thread, and tilerelease hands the tile state back so
+// that the kernel need not save it on every context switch. Tile numbers are immediates.
+__attribute__((target("amx-tile,amx-bf16"))) float dot_amx_bf16(long long iters, float seed) {
+  alignas(64) float c[kAmxAccumulators][kTileRows * kTileColsb / 4];
+  for (int t = 0; t < kAmxAccumulators; ++t)
+    for (float& x : c[t]) x = seed + static_cast<float>(t);
+  // GCC's tile intrinsics are asm statements that read memory through pointers they do not
+  // declare as memory inputs: make the stores above happen before the tile loads.
+  __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
+  _tile_loadconfig(kAmxConfig.data());
+  _tile_loadd(0, c[0], kTileColsb);
+  _tile_loadd(1, c[1], kTileColsb);
+  _tile_loadd(2, c[2], kTileColsb);
+  _tile_loadd(3, c[3], kTileColsb);
+  _tile_loadd(4, kAmxA.data(), kTileColsb);
+  _tile_loadd(5, kAmxA.data(), kTileColsb);
+  _tile_loadd(6, kAmxB.data(), kTileColsb);
+  _tile_loadd(7, kAmxB.data(), kTileColsb);
+  for (long long i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c[0], kTileColsb);
+  _tile_stored(1, c[1], kTileColsb);
+  _tile_stored(2, c[2], kTileColsb);
+  _tile_stored(3, c[3], kTileColsb);
+  _tile_release();
+  __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
+  float total = 0;
+  for (const auto& tile : c)
+    for (float x : tile) total += x;
+  return total;
 }
 
 #endif  // __x86_64__
@@ -242,7 +319,7 @@ PeakGflops measure_uncached(int threads, double seconds) {
   Kernel f32 = fma_scalar;
   int lanes = 1;
   out.isa = "scalar";
-  bool bf16 = false;
+  bool bf16 = false, amx = false;
 #if defined(__x86_64__)
   if (f.avx512f) {
     f32 = fma_avx512;
@@ -254,6 +331,12 @@ PeakGflops measure_uncached(int threads, double seconds) {
     out.isa = "avx2+fma";
   }
   bf16 = f.avx512_bf16;
+  if (!bf16) out.bf16_dot_unavailable = "this CPU lacks AVX512-BF16 (vdpbf16ps)";
+  // Asks Linux for the tile state (once per process) where the CPU has AMX: nothing below runs a
+  // tile instruction unless that succeeded.
+  const std::optional<std::string>& no_amx = detail::amx_unavailable();
+  amx = !no_amx.has_value();
+  if (no_amx) out.amx_bf16_unavailable = *no_amx;
 #elif defined(__aarch64__)
   if (f.neon) {
     f32 = fma_neon;
@@ -261,16 +344,22 @@ PeakGflops measure_uncached(int threads, double seconds) {
     out.isa = "neon";
   }
 #endif
-  const double f32_seconds = bf16 ? seconds / 2 : seconds;
+#if !defined(__x86_64__)
+  out.bf16_dot_unavailable = "vdpbf16ps (AVX512-BF16) is an x86-64 instruction";
+  out.amx_bf16_unavailable = "AMX is an x86-64 extension";
+#endif
+  // The time is shared by the kinds measured.
+  const double share = seconds / (1 + int(bf16) + int(amx));
   // 2 flops (multiply + add) per lane per chain step.
-  const Rate r = measure(f32, 2.0 * lanes * kChains, threads, f32_seconds);
+  const Rate r = measure(f32, 2.0 * lanes * kChains, threads, share);
   out.f32_fma = r.gflops;
   out.threads = r.threads;
 #if defined(__x86_64__)
   if (bf16) {
     // 16 f32 lanes, each 2 bf16 pairs, 2 flops per pair.
-    out.bf16_dot = measure(dot_avx512bf16, 16.0 * 2 * 2 * kChains, threads, seconds / 2).gflops;
+    out.bf16_dot = measure(dot_avx512bf16, 16.0 * 2 * 2 * kChains, threads, share).gflops;
   }
+  if (amx) out.amx_bf16 = measure(dot_amx_bf16, kAmxFlopsPerIter, threads, share).gflops;
 #endif
   return out;
 }

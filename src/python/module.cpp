@@ -547,6 +547,9 @@ PYBIND11_MODULE(_core, m) {
         py::dict d;
         d["f32_fma"] = p.f32_fma;
         d["bf16_dot"] = p.bf16_dot ? py::cast(*p.bf16_dot) : py::none();
+        d["amx_bf16"] = p.amx_bf16 ? py::cast(*p.amx_bf16) : py::none();
+        d["bf16_dot_unavailable"] = p.bf16_dot ? py::none() : py::cast(p.bf16_dot_unavailable);
+        d["amx_bf16_unavailable"] = p.amx_bf16 ? py::none() : py::cast(p.amx_bf16_unavailable);
         d["threads"] = p.threads;
         d["isa"] = p.isa;
         return d;

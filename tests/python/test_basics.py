@@ -34,3 +34,15 @@ def test_cpu_info_and_thread_limit():
 
     with pytest.raises(dattn.InvalidArgument, match="1024"):
         dattn.measure_peak_gflops(100000)
+
+
+def test_measured_peaks_name_every_kind():
+    peak = dattn.measure_peak_gflops(1, 0.02)
+    assert peak["f32_fma"] > 0 and peak["threads"] == 1
+    has_bf16 = "avx512_bf16" in dattn.cpu_info()["features"]
+    assert (peak["bf16_dot"] is not None) == has_bf16
+    # AMX needs the CPU's tiles and Linux's permission; absent (None) otherwise, never an error.
+    assert "amx_bf16" in peak
+    assert peak["amx_bf16"] is None or peak["amx_bf16"] > 0
+    for kind in ("bf16_dot", "amx_bf16"):
+        assert (peak[kind] is None) == bool(peak[kind + "_unavailable"]), kind

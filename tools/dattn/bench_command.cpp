@@ -15,18 +15,28 @@ namespace dattn::cli {
 namespace {
 
 // Bars of GFLOP/s grouped by workload, one colour per (backend, dtype, engine), each labelled
-// with its percent of the peak of the engine that computed it (drawn as a dashed tick).
+// with its percent of the peak of the engine that computed it (drawn as a dashed tick), or
+// "n/a" where that engine has no peak (emulated engines, REFERENCE).
 std::string svg_chart(const std::vector<RunReport>& reports) {
   std::vector<ChartBar> bars;
   int threads = 0;
   for (const RunReport& r : reports) {
     std::ostringstream pct, tip;
-    pct << std::fixed << std::setprecision(0) << 100 * r.efficiency << "%";
-    tip << r.backend << " " << r.dtype << " on " << r.workload << ": " << std::fixed
-        << std::setprecision(1) << r.gflops << " GFLOP/s, " << 100 * r.efficiency << "% of "
-        << r.peak_gflops << " (" << r.engine << "), " << std::setprecision(4) << r.seconds << " s";
-    bars.push_back({r.workload, r.backend + " " + r.dtype + " (" + r.engine + ")", r.gflops,
-                    r.peak_gflops, pct.str(), tip.str()});
+    if (r.efficiency)
+      pct << std::fixed << std::setprecision(0) << 100 * *r.efficiency << "%";
+    else
+      pct << "n/a";
+    tip << r.backend << " " << r.dtype << " on " << r.workload << " ("
+        << (r.engine.empty() ? "no engine" : "engine " + r.engine) << "): " << std::fixed
+        << std::setprecision(1) << r.gflops << " GFLOP/s, ";
+    if (r.peak_gflops && r.efficiency)
+      tip << 100 * *r.efficiency << "% of its " << r.peak_kind << " peak " << *r.peak_gflops;
+    else
+      tip << "no peak (" << r.no_peak << ")";
+    tip << ", " << std::setprecision(4) << r.seconds << " s";
+    const std::string series =
+        r.backend + " " + r.dtype + (r.engine.empty() ? "" : " (" + r.engine + ")");
+    bars.push_back({r.workload, series, r.gflops, r.peak_gflops.value_or(0), pct.str(), tip.str()});
     threads = std::max(threads, r.threads);
   }
   const std::string title = "dattn bench: GFLOP/s on " + std::to_string(threads) +
@@ -36,21 +46,27 @@ std::string svg_chart(const std::vector<RunReport>& reports) {
 
 // GFLOP/s of a sparse backend count the work it does (the selected blocks); "sparsity" is the
 // fraction of (query, key) pairs it skips and "vs_dense" its normwise error against dense
-// attention.
+// attention. "engine" is the engine that computed the row and "peak%" its percent of that
+// engine's peak ("-": an emulated engine, or a backend without engines).
 void print_table(std::ostream& os, const std::vector<RunReport>& reports) {
   const bool sparse = std::any_of(reports.begin(), reports.end(),
                                   [](const RunReport& r) { return r.block_sparsity.has_value(); });
   os << std::left << std::setw(18) << "workload" << std::setw(14) << "backend" << std::setw(6)
-     << "dtype" << std::right << std::setw(8) << "threads" << std::setw(11) << "seconds"
-     << std::setw(10) << "GFLOP/s" << std::setw(8) << "peak%" << std::setw(13) << "max_rel_err";
+     << "dtype" << std::setw(22) << "engine" << std::right << std::setw(8) << "threads"
+     << std::setw(11) << "seconds" << std::setw(10) << "GFLOP/s" << std::setw(8) << "peak%"
+     << std::setw(13) << "max_rel_err";
   if (sparse) os << std::setw(10) << "sparsity" << std::setw(11) << "vs_dense";
   os << '\n';
   for (const RunReport& r : reports) {
     os << std::left << std::setw(18) << r.workload << std::setw(14) << r.backend << std::setw(6)
-       << r.dtype << std::right << std::setw(8) << r.threads << std::setw(11)
-       << std::setprecision(4) << std::fixed << r.seconds << std::setw(10) << std::setprecision(1)
-       << r.gflops << std::setw(7) << 100 * r.efficiency << '%' << std::setw(13) << std::scientific
-       << std::setprecision(2);
+       << r.dtype << std::setw(22) << (r.engine.empty() ? "-" : r.engine) << std::right
+       << std::setw(8) << r.threads << std::setw(11) << std::setprecision(4) << std::fixed
+       << r.seconds << std::setw(10) << std::setprecision(1) << r.gflops;
+    if (r.efficiency)
+      os << std::setw(7) << 100 * *r.efficiency << '%';
+    else
+      os << std::setw(8) << "-";
+    os << std::setw(13) << std::scientific << std::setprecision(2);
     if (r.check)
       os << r.check->max_rel_err;
     else
@@ -96,6 +112,9 @@ int run_bench(const BenchOptions& options) {
     if (!w) return kExitUsage;
     chosen.push_back(*w);
   }
+  // Before any measurement: --isa / --compute-dtype with a backend that has no engines.
+  for (const std::string& backend : backends)
+    check_engine_options(measurement_for(chosen.front(), options.measure), backend);
   std::vector<RunReport> reports;
   for (const Workload& w : chosen)
     for (const std::string& dtype : dtypes)

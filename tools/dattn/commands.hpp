@@ -41,6 +41,10 @@ struct MeasureOptions {
   std::string kv_dtype;    // "", "fp8" or "int8": quantized K/V (dense calls, or the pages)
   std::int64_t paged = 0;  // > 0: run through forward_paged with pages of this many tokens
   std::string page_dtype;  // dtype of the pages (default: the inputs' dtype)
+  // FLASH's engine options (VIDEO_SPARSE takes them too): the backend options compute_dtype
+  // ("f32" or "bf16") and isa (an engine of flash_engines(), the cap); empty = not given.
+  std::string compute_dtype;
+  std::string isa;
 };
 void add_measure_options(CLI::App& command, MeasureOptions& options);
 

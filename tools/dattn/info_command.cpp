@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
 #include "dattn/threads.hpp"
+#include "measurement.hpp"
 #include "workloads.hpp"
 
 namespace dattn::cli {
@@ -89,20 +91,32 @@ json info_json(int threads, const PeakGflops& peak) {
               {"logical_cpus", cpu.logical_cpus},
               {"features", cpu.names()}};
   j["threads"] = threads;
+  // Every kind of peak an engine is held to; null where not measured, with the reason.
+  const auto rate = [](const std::optional<double>& x) { return x ? json(*x) : json(nullptr); };
+  const auto why = [](const std::optional<double>& x, const std::string& reason) {
+    return x ? json(nullptr) : json(reason);
+  };
   j["peak_gflops"] = {{"f32_fma", peak.f32_fma},
-                      {"bf16_dot", peak.bf16_dot ? json(*peak.bf16_dot) : json(nullptr)},
+                      {"bf16_dot", rate(peak.bf16_dot)},
+                      {"bf16_dot_unavailable", why(peak.bf16_dot, peak.bf16_dot_unavailable)},
+                      {"amx_bf16", rate(peak.amx_bf16)},
+                      {"amx_bf16_unavailable", why(peak.amx_bf16, peak.amx_bf16_unavailable)},
                       {"isa", peak.isa},
                       {"threads", peak.threads}};
-  // FLASH's engines (what DATTN_ISA and its isa option accept), in ladder order.
+  // FLASH's engines (what DATTN_ISA and its isa option accept), in ladder order, each with the
+  // kind of peak `run` and `bench` measure its efficiency against (null: none, e.g. emulated).
   j["engines"] = json::array();
-  for (const EngineInfo& e : flash_engines())
+  for (const EngineInfo& e : flash_engines()) {
+    const std::string kind = peak_kind_of_engine(e.name);
     j["engines"].push_back({{"name", e.name},
                             {"rank", e.rank},
                             {"compute_dtype", e.compute_dtype},
                             {"emulated", e.emulated},
+                            {"peak_kind", kind.empty() ? json(nullptr) : json(kind)},
                             {"available", !e.unavailable_reason.has_value()},
                             {"unavailable_reason",
                              e.unavailable_reason ? json(*e.unavailable_reason) : json(nullptr)}});
+  }
   j["backends"] = json::array();
   for (const auto& backend : Registry::global().all())
     j["backends"].push_back(backend_json(*backend));
@@ -141,16 +155,37 @@ void print_text(std::ostream& os, const json& info) {
                << info["cpu"]["logical_cpus"].get<int>() << " logical CPUs)\n";
   label("features") << cell(info["cpu"]["features"]) << '\n';
   label("threads") << info["threads"].get<int>() << '\n';
+  // One line per kind of peak: the rate (or "none" and why) and the engines held to it, e.g.
+  //   peak GFLOP/s  204.1 f32 FMA (avx2+fma): engines portable, avx2, avx512
+  //                 none bf16 dot (vdpbf16ps): this CPU lacks AVX512-BF16 (vdpbf16ps)
   const json& peak = info["peak_gflops"];
-  std::ostringstream bf16;
-  if (peak["bf16_dot"].is_null())
-    bf16 << "n/a";
-  else
-    bf16 << std::fixed << std::setprecision(1) << peak["bf16_dot"].get<double>();
-  label("peak GFLOP/s") << std::fixed << std::setprecision(1) << peak["f32_fma"].get<double>()
-                        << " f32 FMA (" << peak["isa"].get<std::string>() << "), " << bf16.str()
-                        << " bf16 dot\n"
-                        << std::defaultfloat;
+  const auto engines_of = [&info](const std::string& kind) {
+    std::string names;
+    for (const json& e : info["engines"])
+      if (e["peak_kind"] == kind)
+        names += (names.empty() ? "" : ", ") + e["name"].get<std::string>();
+    return names;
+  };
+  const std::array<std::array<const char*, 2>, 3> kinds{{{"f32_fma", "f32 FMA"},
+                                                         {"bf16_dot", "bf16 dot (vdpbf16ps)"},
+                                                         {"amx_bf16", "AMX tiles (tdpbf16ps)"}}};
+  for (std::size_t n = 0; n < kinds.size(); ++n) {
+    const std::string kind = kinds[n][0];
+    label(n == 0 ? "peak GFLOP/s" : "");
+    if (peak[kind].is_null()) {
+      os << "none " << kinds[n][1] << ": " << peak[kind + "_unavailable"].get<std::string>();
+    } else {
+      os << std::fixed << std::setprecision(1) << peak[kind].get<double>() << std::defaultfloat
+         << ' ' << kinds[n][1];
+      if (kind == "f32_fma") os << " (" << peak["isa"].get<std::string>() << ")";
+      const std::string names = engines_of(kind);
+      os << ": "
+         << (names.empty()                          ? "no engine uses it yet"
+             : names.find(',') == std::string::npos ? "engine " + names
+                                                    : "engines " + names);
+    }
+    os << '\n';
+  }
   // e.g. "portable, avx2, avx512 (unavailable), avx512_bf16 (bf16, unavailable), ..."
   std::string engines;
   for (const json& e : info["engines"]) {

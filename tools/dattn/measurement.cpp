@@ -16,6 +16,9 @@
 #include "block_map_png.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/engines.hpp"
+#include "dattn/errors.hpp"
+#include "dattn/registry.hpp"
 #include "dattn/threads.hpp"
 #include "dattn/video_sparse.hpp"
 
@@ -254,6 +257,25 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
       .add_option("--page-dtype", options.page_dtype,
                   "Dtype of the pages with --paged (default: the inputs'; --kv-dtype overrides)")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  command
+      .add_option("--compute-dtype", options.compute_dtype,
+                  "FLASH / VIDEO_SPARSE backend option compute_dtype: f32 (exact to the inputs, "
+                  "the default) or bf16 (f32/f16 inputs may then run on a bf16 engine)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  std::string engines;
+  for (const EngineInfo& e : flash_engines()) engines += (engines.empty() ? "" : ", ") + e.name;
+  command
+      .add_option("--isa", options.isa,
+                  "FLASH / VIDEO_SPARSE backend option isa: cap the engines at this one (an "
+                  "emulated engine by its exact name): " +
+                      engines)
+      ->check(CLI::Validator(
+          [engines](std::string& name) -> std::string {
+            for (const EngineInfo& e : flash_engines())
+              if (names_equal(name, e.name)) return {};
+            return "'" + name + "' is not a FLASH engine; valid: " + engines;
+          },
+          "ENGINE"));
   command.add_flag("--fallback", options.fallback,
                    "Run a call the chosen backend cannot serve on the best exact backend that can "
                    "(reported), instead of failing");
@@ -287,7 +309,35 @@ Measurement measurement_for(const Workload& workload, const MeasureOptions& opti
   if (!options.kv_dtype.empty()) m.kv_dtype = parse_kv_cache_dtype(options.kv_dtype);
   m.page_block = options.paged;
   if (!options.page_dtype.empty()) m.page_dtype = parse_dtype(options.page_dtype);
+  if (!options.compute_dtype.empty()) m.backend_options["compute_dtype"] = options.compute_dtype;
+  if (!options.isa.empty()) m.backend_options["isa"] = options.isa;
   return m;
+}
+
+BackendOptions engine_options(const Measurement& m) {
+  BackendOptions out;
+  for (const char* key : {"isa", "compute_dtype"})
+    if (const auto it = m.backend_options.find(key); it != m.backend_options.end()) out.insert(*it);
+  return out;
+}
+
+void check_engine_options(const Measurement& m, const std::string& backend) {
+  const BackendOptions engine = engine_options(m);
+  if (engine.empty()) return;
+  const bool isa = engine.count("isa") != 0;
+  const std::string option = isa ? "--isa" : "--compute-dtype";
+  if (!backend.empty() && !names_equal(backend, "auto") && !names_equal(backend, "FLASH") &&
+      !names_equal(backend, "VIDEO_SPARSE"))
+    throw InvalidArgument(isa ? "isa" : "compute_dtype",
+                          option +
+                              " applies to FLASH's engines (run by FLASH and VIDEO_SPARSE); "
+                              "backend " +
+                              backend + " has none");
+  if (const auto it = engine.find("isa"); it != engine.end())
+    for (const EngineInfo& e : flash_engines())
+      if (names_equal(std::get<std::string>(it->second), e.name) && e.unavailable_reason)
+        throw NotAvailable("isa", "--isa " + e.name + ": this CPU cannot run engine " + e.name +
+                                      ": " + *e.unavailable_reason);
 }
 
 void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const Attention& layer,
@@ -307,17 +357,51 @@ void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const
   report.gflops = report.flops / seconds * 1e-9;
 }
 
-void fill_peak(RunReport& report, int threads, DType dtype) {
-  (void)dtype;  // every engine today computes in f32 (bf16/f16 inputs are converted on load)
-  const PeakGflops peak = measure_peak_gflops(threads);
-  // Efficiency is against the peak of the engine that computed the call: FLASH and
-  // VIDEO_SPARSE run f32 FMAs whatever the input dtype, so a bf16 run is measured against the
-  // f32 FMA peak too (never the bf16 dot peak of an engine it did not use). REFERENCE runs
-  // scalar f64 loops; its figure against the f32 peak only says how slow it is.
-  report.peak_gflops = peak.f32_fma;
-  report.peak_kind = "f32_fma";
-  report.engine = report.backend == "REFERENCE" ? "f64 scalar" : "f32 FMA " + peak.isa;
-  report.efficiency = report.peak_gflops > 0 ? report.gflops / report.peak_gflops : 0.0;
+std::string peak_kind_of_engine(const std::string& engine) {
+  for (const EngineInfo& e : flash_engines()) {
+    if (e.name != engine) continue;
+    if (e.emulated) return {};
+    if (e.compute_dtype == "f32") return "f32_fma";
+    if (e.name == "avx512_bf16") return "bf16_dot";
+    if (e.name == "amx") return "amx_bf16";
+    return {};  // an engine whose peak is not measured
+  }
+  return {};
+}
+
+std::optional<double> peak_of_kind(const PeakGflops& peak, const std::string& kind) {
+  if (kind == "f32_fma") return peak.f32_fma;
+  if (kind == "bf16_dot") return peak.bf16_dot;
+  if (kind == "amx_bf16") return peak.amx_bf16;
+  return std::nullopt;
+}
+
+void fill_peak(RunReport& report, const std::string& engine, int threads) {
+  report.engine = engine;
+  report.peak_kind = peak_kind_of_engine(engine);
+  report.peak_gflops.reset();
+  report.efficiency.reset();
+  report.no_peak.clear();
+  if (engine.empty()) {
+    report.no_peak = "backend " + report.backend + " has no engines";
+    return;
+  }
+  if (report.peak_kind.empty()) {
+    bool emulated = false;
+    for (const EngineInfo& e : flash_engines()) emulated |= e.name == engine && e.emulated;
+    report.no_peak = emulated ? "engine " + engine + " is emulated: its speed is not the hardware's"
+                              : "no measured peak for engine " + engine;
+    return;
+  }
+  // Measured only when a peak is wanted (REFERENCE and emulated runs skip it).
+  const std::optional<double> peak = peak_of_kind(measure_peak_gflops(threads), report.peak_kind);
+  if (!peak || !(*peak > 0)) {
+    report.no_peak = "the " + report.peak_kind + " peak of engine " + engine + " was not measured";
+    report.peak_kind.clear();
+    return;
+  }
+  report.peak_gflops = *peak;
+  report.efficiency = report.gflops / *peak;
 }
 
 double normwise_rel_err(const TensorView& a, const TensorView& b) {
@@ -347,6 +431,7 @@ RunReport measure(const Measurement& m) {
   config.allow_fallback = m.allow_fallback;
   config.kv_cache_dtype = m.kv_dtype;
   const Attention layer(config);
+  check_engine_options(m, layer.backend().name());
 
   progress("building inputs of " + workload.name + "...");
   WorkloadInputs inputs = build_workload_inputs(workload, m.dtype, m.seed);
@@ -363,6 +448,7 @@ RunReport measure(const Measurement& m) {
     layer.forward_into(inputs.q, inputs.k, inputs.v, inputs.metadata, out.view());
     seconds = std::min(seconds, seconds_since(start));
   }
+  const std::string engine = layer.last_engine();
 
   RunReport report;
   report.signal = m.smooth_signal ? "smooth" : "random";
@@ -401,7 +487,7 @@ RunReport measure(const Measurement& m) {
     }
   }
   fill_run(report, m, ran, layer, threads, seconds);
-  fill_peak(report, threads, m.dtype);
+  fill_peak(report, engine, threads);
   return report;
 }
 

@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "dattn/attention.hpp"
+#include "dattn/cpu_info.hpp"
 #include "dattn/dtype.hpp"
 #include "report.hpp"
 #include "workloads.hpp"
@@ -34,7 +35,7 @@ struct Measurement {
 };
 
 // Builds the inputs, runs a warm-up and `reps` timed calls, checks a sample of rows against
-// REFERENCE and reports against the machine's measured peak.
+// REFERENCE and reports against the measured peak of the engine that computed the calls.
 RunReport measure(const Measurement& m);
 // The paged forms (paged_measurement.cpp): the workload's rows through forward_paged with
 // shuffled block tables, and the prefix-reuse workload (cached prefix against recompute).
@@ -48,10 +49,26 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
 // and options of `m`, the threads, and the best time with its GFLOP/s (`report.flops` set).
 void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const Attention& layer,
               int threads, double seconds);
-// Peak and efficiency fields of `report` for `threads` threads and dtype `dtype`.
-void fill_peak(RunReport& report, int threads, DType dtype);
+// The peak an engine's efficiency is measured against: "f32_fma" for the f32 engines
+// (portable, avx2, avx512), "bf16_dot" for avx512_bf16, "amx_bf16" for amx; empty for emulated
+// engines, engines without a measured peak and "" (a backend without engines).
+std::string peak_kind_of_engine(const std::string& engine);
+// That peak of `peak` (f32_fma, bf16_dot or amx_bf16), or nullopt (absent or unknown kind).
+std::optional<double> peak_of_kind(const PeakGflops& peak, const std::string& kind);
+// The engine, peak and efficiency fields of `report` (whose backend and gflops are set): the
+// engine that computed the timed calls (Attention::last_engine()) and its peak over `threads`
+// threads, measured once per process and thread count, only when the engine has one.
+void fill_peak(RunReport& report, const std::string& engine, int threads);
 // ||a - b|| / ||b|| over all elements of two tensors of one shape.
 double normwise_rel_err(const TensorView& a, const TensorView& b);
+
+// The backend options of `m` that choose FLASH's engine: isa and compute_dtype, where given.
+BackendOptions engine_options(const Measurement& m);
+// With --isa or --compute-dtype given (engine_options(m) not empty): throws InvalidArgument
+// naming the option when `backend` is a backend without FLASH's engines (FLASH and VIDEO_SPARSE
+// have them; "auto" or "" is checked once the layer has chosen), and NotAvailable naming --isa
+// when this CPU cannot run the engine it names.
+void check_engine_options(const Measurement& m, const std::string& backend);
 
 // The workload table, one line each.
 void print_workloads(std::ostream& os);

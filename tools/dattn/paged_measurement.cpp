@@ -102,12 +102,15 @@ RunReport measure_paged(const Measurement& m) {
                                                    ids.begin() + (b + 1) * pages_per_seq)});
   AttentionConfig config = workload_attention_config(w, m.dtype);
   config.backend = m.backend;
+  config.backend_options = engine_options(m);  // the sparse options don't apply to pages
   const Attention layer(config);
+  check_engine_options(m, layer.backend().name());
   if (m.progress)
     std::cerr << m.progress_prefix << "paged warm-up on " << layer.backend().name() << "\n";
   layer.forward_paged(call);
   RunReport r = base_report(m, layer.backend().name(), threads);
   r.seconds = seconds_of([&] { layer.forward_paged(call); }, m.reps);
+  const std::string engine = layer.last_engine();
   r.flops = attention_flops(w);
   r.gflops = r.flops / r.seconds * 1e-9;
   r.page_block = bs;
@@ -128,7 +131,7 @@ RunReport measure_paged(const Measurement& m) {
     r.check = RowCheck{w.batch * w.query_rows, 0.0, err};
     r.checked_against = "FLASH dense, normwise over every row";
   }
-  fill_peak(r, threads, m.dtype);
+  fill_peak(r, engine, threads);
   return r;
 }
 
@@ -150,7 +153,9 @@ RunReport measure_prefix_reuse(const Measurement& m) {
   const WorkloadInputs in = build_workload_inputs(w, m.dtype, m.seed);
   AttentionConfig config = workload_attention_config(w, m.dtype);
   config.backend = m.backend;
+  config.backend_options = engine_options(m);
   const Attention layer(config);
+  check_engine_options(m, layer.backend().name());
   const auto progress = [&m](const std::string& s) {
     if (m.progress) std::cerr << m.progress_prefix << s << std::endl;
   };
@@ -183,6 +188,7 @@ RunReport measure_prefix_reuse(const Measurement& m) {
   layer.forward_paged(call);
   RunReport r = base_report(m, layer.backend().name(), threads);
   r.seconds = seconds_of([&] { layer.forward_paged(call); }, m.reps);
+  const std::string engine = layer.last_engine();  // of the timed steps, not the recompute
   r.recompute_seconds = recompute;
   r.flops = 4.0 * double(w.head_size) * double(target) * double(all) * double(w.heads);
   r.gflops = r.flops / r.seconds * 1e-9;
@@ -196,7 +202,7 @@ RunReport measure_prefix_reuse(const Measurement& m) {
     r.check = RowCheck{target, 0.0, normwise_rel_err(got, Tensor::copy_of(want).view())};
     r.checked_against = "the recomputed rows, normwise";
   }
-  fill_peak(r, threads, m.dtype);
+  fill_peak(r, engine, threads);
   return r;
 }
 

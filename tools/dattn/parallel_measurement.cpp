@@ -74,6 +74,7 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   AttentionConfig pconfig = config;
   pconfig.parallel = make_parallel_strategy(parallel, world);
   const Attention layer(pconfig);
+  check_engine_options(m, layer.backend().name());
 
   progress("building inputs of " + w.name + " on " + std::to_string(P) + " ranks...");
   const WorkloadInputs inputs = build_workload_inputs(w, m.dtype, m.seed);
@@ -104,6 +105,7 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
     world->all_gather(&mine, sizeof(double), all.data());
     seconds = std::min(seconds, *std::max_element(all.begin(), all.end()));
   }
+  const std::string engine = layer.last_engine();
 
   // Every rank's local rows to rank 0, which compares them with one process.
   std::optional<RowCheck> check;
@@ -187,9 +189,11 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
   double most = 0;
   for (int p = 0; p < P; ++p) most = std::max(most, double(parallel_bytes_sent(parallel, t, P, p)));
   report.bytes_sent = most;
-  fill_peak(report, threads, m.dtype);
-  report.peak_gflops *= P;
-  report.efficiency = report.peak_gflops > 0 ? report.gflops / report.peak_gflops : 0.0;
+  fill_peak(report, engine, threads);
+  if (report.peak_gflops) {
+    *report.peak_gflops *= P;
+    report.efficiency = report.gflops / *report.peak_gflops;
+  }
   return report;
 }
 

@@ -29,10 +29,16 @@ nlohmann::json to_json(const RunReport& r) {
   j["flops"] = r.flops;
   j["seconds"] = r.seconds;
   j["gflops"] = finite_or_null(r.gflops);
-  j["peak_gflops"] = r.peak_gflops;
-  j["peak_kind"] = r.peak_kind;
-  j["engine"] = r.engine;
-  j["efficiency"] = finite_or_null(r.efficiency);
+  const auto opt = [](const std::optional<double>& x) {
+    return x ? finite_or_null(*x) : nlohmann::json(nullptr);
+  };
+  const auto name = [](const std::string& s) {
+    return s.empty() ? nlohmann::json(nullptr) : nlohmann::json(s);
+  };
+  j["engine"] = name(r.engine);
+  j["peak_kind"] = name(r.peak_kind);
+  j["peak_gflops"] = opt(r.peak_gflops);
+  j["efficiency"] = opt(r.efficiency);
   j["checked_rows"] = r.check ? r.check->rows : 0;
   j["max_abs_err"] = r.check ? finite_or_null(r.check->max_abs_err) : nlohmann::json(nullptr);
   j["max_rel_err"] = r.check ? finite_or_null(r.check->max_rel_err) : nlohmann::json(nullptr);
@@ -42,9 +48,6 @@ nlohmann::json to_json(const RunReport& r) {
       r.block_sparsity ? nlohmann::json(*r.block_sparsity) : nlohmann::json(nullptr);
   j["dense_rel_err"] = r.dense_rel_err ? finite_or_null(*r.dense_rel_err) : nlohmann::json(nullptr);
   j["dense_flops"] = r.dense_flops;
-  const auto opt = [](const std::optional<double>& x) {
-    return x ? finite_or_null(*x) : nlohmann::json(nullptr);
-  };
   j["kv_dtype"] = r.kv_dtype.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.kv_dtype);
   j["kv_cache_bytes"] = opt(r.kv_cache_bytes);
   j["kv_f32_bytes"] = opt(r.kv_f32_bytes);
@@ -79,10 +82,13 @@ void print_text(std::ostream& os, const RunReport& r) {
   }
   label("time") << std::fixed << std::setprecision(4) << r.seconds << " s for "
                 << std::setprecision(3) << r.flops * 1e-9 << " GFLOP\n";
-  label("rate") << std::setprecision(2) << r.gflops << " GFLOP/s of " << r.peak_gflops << " peak ("
-                << r.peak_kind << "): " << std::setprecision(2) << 100.0 * r.efficiency
-                << "% efficiency\n";
-  if (!r.engine.empty()) label("engine") << r.engine << '\n';
+  label("rate") << std::setprecision(2) << r.gflops << " GFLOP/s";
+  if (r.peak_gflops && r.efficiency)
+    os << " of " << *r.peak_gflops << " peak (" << r.peak_kind << "): " << std::setprecision(2)
+       << 100.0 * *r.efficiency << "% efficiency\n";
+  else
+    os << ", no peak to compare with (" << r.no_peak << ")\n";
+  label("engine") << (r.engine.empty() ? "none" : r.engine) << '\n';
   if (r.check) {
     label("accuracy") << std::scientific << std::setprecision(3) << "max abs err "
                       << r.check->max_abs_err << ", max rel err " << r.check->max_rel_err

@@ -34,11 +34,20 @@ struct RunReport {
   double flops = 0;    // attention_flops() of the workload
   double seconds = 0;  // the best timed forward call (after a warm-up call)
   double gflops = 0;
-  double peak_gflops = 0;         // the machine's measured peak for the dtype over `threads`
-  std::string peak_kind;          // the engine's peak: "f32_fma" (every engine today)
-  std::string engine;             // what computed the call, e.g. "f32 FMA avx2", "f64 scalar"
-  double efficiency = 0;          // gflops / peak_gflops
-  std::optional<RowCheck> check;  // absent with --check-rows 0
+  // The engine that computed the call: Plan::engine() of the plan that ran the timed calls
+  // (Attention::last_engine(): "portable", "avx2", "avx512", "avx512_bf16", "amx",
+  // "avx512_bf16_emulated", ...); empty for a backend without engines (REFERENCE).
+  std::string engine;
+  // The measured peak that engine is held to, over `threads` threads (times `ranks`):
+  // "f32_fma" for the f32 engines (portable, avx2, avx512), "bf16_dot" (vdpbf16ps) for
+  // avx512_bf16, "amx_bf16" (tdpbf16ps) for amx. Empty, with no peak and no efficiency, for
+  // emulated engines (their speed says nothing about the hardware they emulate) and without an
+  // engine; `no_peak` then says why.
+  std::string peak_kind;
+  std::optional<double> peak_gflops;
+  std::optional<double> efficiency;  // gflops / peak_gflops
+  std::string no_peak;               // why there is no peak (empty when there is one)
+  std::optional<RowCheck> check;     // absent with --check-rows 0
   // Sparse (approximate) backends: `check` is against REFERENCE under the backend's own block
   // mask; these say how far the result is from dense attention.
   std::string checked_against = "REFERENCE";
@@ -60,8 +69,8 @@ struct RunReport {
   std::optional<double> recompute_seconds;
   // Sequence parallelism: the strategy ("none" on one process), the ranks (processes), and the
   // most bytes one rank sends per call. With ranks > 1, `seconds` is the slowest rank's time,
-  // `gflops` the whole group's, `peak_gflops` ranks x one process's peak, and `check` compares
-  // every row with one process running the same inputs.
+  // `gflops` the whole group's, `peak_gflops` ranks x one process's peak (for rank 0's engine),
+  // and `check` compares every row with one process running the same inputs.
   std::string parallel = "none";
   int ranks = 1;
   std::optional<double> bytes_sent;

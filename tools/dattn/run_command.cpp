@@ -47,6 +47,7 @@ int run_run(const RunOptions& options) {
   m.progress_prefix = "dattn run: ";
   m.mask_png = options.mask_png;
   m.reps = options.reps;
+  check_engine_options(m, m.backend);
   if (options.parallel != "none") {
     const std::optional<RunReport> group = measure_parallel(m, options.parallel);
     if (!group) return kExitOk;  // not rank 0
