@@ -295,7 +295,12 @@ class Worker {
       // converting them per work item cost as much again.
       const unsigned char* tile =
           panel_ + group.offset + std::size_t((j0 - seg.k_begin) / kBlockKeys) * plan_.tile_bytes();
+      // The next tile's K and V into L2 while this one computes: a long sequence's panels
+      // outgrow the last-level cache, and each work item streams them again.
+      const bool more = j0 + n < kmax;
+      if (more) prefetch(tile + plan_.tile_bytes(), plan_.k_tile_bytes);
       kk_.qk(tile, plan_.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d), s.ws);
+      if (more) prefetch(tile + plan_.tile_bytes() + plan_.k_tile_bytes, plan_.v_tile_bytes);
       if (j0 + n > kmin || p_.mask.kind != MaskKind::none)
         hide(w, s, b, j0, n, rows, j0 + n > kmin);
       kk_.softmax_tile(s.st, s.ld_rows, int(n), int(rows_p), s.m, s.l, s.alpha);
@@ -315,6 +320,10 @@ class Worker {
     }
     for (i64 r = 0; r < rows; ++r)
       write_row(s.o + r * s.ld_o, s.m[r], s.l[r], b, w.h0 + r / nq, w.q0 + r % nq);
+  }
+
+  static void prefetch(const unsigned char* at, std::size_t bytes) {
+    for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(at + off, 0, 2);
   }
 
   // Merges the split items of one query block, the (O, LSE) merge of docs/semantics.md:
