@@ -367,6 +367,43 @@ TEST(WorkspacePool, ConcurrentCallsOnOneLayerGiveTheirOwnResults) {
 namespace dattn {
 namespace {
 
+// K/V panels larger than one wave's budget (64 MiB): the groups are packed and run in several
+// waves, each reusing the panel buffer; every group still reads its own keys. 4 KV heads x 65536
+// keys of D 24 are 80-92 MiB of f32 panels on every f32 engine (padded strides); a key-padding
+// mask hides a tenth of the keys.
+TEST(Flash, PanelsInSeveralWavesMatchReference) {
+  const i64 sq = 3, skv = 65536, hq = 8, hkv = 4, d = 24;
+  auto q = testing::random_tensor({1, sq, hq, d}, DType::F32, 1),
+       k = testing::random_tensor({1, skv, hkv, d}, DType::F32, 2),
+       v = testing::random_tensor({1, skv, hkv, d}, DType::F32, 3);
+  Tensor keep = testing::bool_tensor({1, skv}, 4, 0.9);
+  AttentionMetadata m;
+  m.attn_mask = keep.view();
+  AttentionConfig fc = flash_config(hq, hkv, d, false);
+  fc.role = AttentionRole::cross;
+  {
+    Tensor out = Tensor::empty({1, sq, hq, d}, DType::F32);
+    const AttentionInputs in{q, k, v, &m, out, std::nullopt};
+    const auto call = detail::prepare_call(fc, 0.2, hkv, in, {});
+    ImplConfig ic;
+    ic.num_heads = hq;
+    ic.num_kv_heads = hkv;
+    ic.head_size = d;
+    const std::string plan =
+        Registry::global().find("FLASH")->make_impl(ic)->plan(call.problem)->to_string();
+    EXPECT_EQ(plan.find(" in 1 wave(s)"), std::string::npos) << plan;
+    EXPECT_NE(plan.find(" wave(s)"), std::string::npos) << plan;
+  }
+  const auto got = Attention(fc).forward(q, k, v, m, true);
+  AttentionConfig rc = fc;
+  rc.backend = "REFERENCE";
+  const auto want = Attention(rc).forward(q, k, v, m, true);
+  const auto diff = testing::compare(got.out.view(), want.out.view());
+  EXPECT_FALSE(diff.nan);
+  EXPECT_LE(diff.normwise_rel, 1e-5);
+  EXPECT_LE(testing::compare(got.lse->view(), want.lse->view()).max_abs, 1e-4);
+}
+
 // The plan description of a FLASH call with these options, which names the engine that runs it.
 std::string flash_plan(const BackendOptions& options, DType dtype, i64 hq = 2, i64 hkv = 1,
                        i64 d = 64) {

@@ -86,6 +86,14 @@ struct Wave {
 // Panel bytes per wave: K and V of about 220k keys of D 128 in f32, 440k in bf16.
 constexpr std::size_t kPanelBudget = std::size_t(64) << 20;
 
+// The panel buffers of every FLASH call in the process: a call leases one for its duration, so
+// memory held between calls is one buffer per call that ran at the same time, not one per layer
+// (a DiT has dozens of layers).
+detail::WorkspacePool<std::vector<float>>& panel_pool() {
+  static detail::WorkspacePool<std::vector<float>> pool;
+  return pool;
+}
+
 class FlashPlan final : public Plan {
  public:
   FlashPlan(std::uint64_t signature, const Engine& engine)
@@ -138,7 +146,6 @@ class FlashPlan final : public Plan {
   std::vector<std::pair<std::size_t, i64>> panel_tiles;  // (group, tile) in wave order
   std::vector<Wave> waves;
   std::size_t panel_buffer_bytes = 0;  // the largest wave's
-  mutable detail::WorkspacePool<std::vector<float>> panels;
 
   std::size_t tile_bytes() const { return k_tile_bytes + v_tile_bytes; }
   std::size_t wave_bytes(const Wave& w) const {
@@ -695,7 +702,7 @@ class FlashImpl final : public Impl {
       if ((*partials)->size() < plan.partial_floats) (*partials)->resize(plan.partial_floats);
     }
     // The panels of one wave at a time, 64-byte aligned.
-    const auto panel_lease = plan.panels.acquire();
+    const auto panel_lease = panel_pool().acquire();
     const std::size_t panel_floats = (plan.panel_buffer_bytes + 64) / sizeof(float);
     if (panel_lease->size() < panel_floats) panel_lease->resize(panel_floats);
     const auto panel_at = reinterpret_cast<std::uintptr_t>(panel_lease->data());
