@@ -19,7 +19,14 @@ from .metadata import (
     VideoTokenSpan,
 )
 from .attention import Attention, PagedCall, PagedRow, PagePool
-from .backends import BackendInfo, backends, cpu_info, get_backend, measure_peak_gflops
+from .backends import (
+    BackendInfo,
+    backends,
+    cpu_info,
+    flash_engines,
+    get_backend,
+    measure_peak_gflops,
+)
 from .sdpa import patch_torch_sdpa, scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -42,6 +49,7 @@ __all__ = [
     "VideoTokenSpan",
     "backends",
     "cpu_info",
+    "flash_engines",
     "get_backend",
     "measure_peak_gflops",
     "patch_torch_sdpa",

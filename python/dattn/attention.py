@@ -77,6 +77,13 @@ class Attention:
         return self._layer.backend_name
 
     @property
+    def last_engine(self) -> str:
+        """The compute engine that ran the layer's latest call (FLASH's engine table, e.g.
+        "avx512", "avx512_bf16", "amx"; see dattn.flash_engines()); "" before the first call and
+        for backends without engines (REFERENCE)."""
+        return self._layer.last_engine
+
+    @property
     def selection(self) -> str:
         """How the backend was chosen and why others were skipped."""
         return self._layer.selection

@@ -91,6 +91,15 @@ def cpu_info() -> dict:
     return dict(_core.cpu_info())
 
 
+def flash_engines() -> List[dict]:
+    """FLASH's compute engines in ladder order (VIDEO_SPARSE uses the same): ``name`` (what
+    ``backend_kwargs={"isa": name}`` and DATTN_ISA accept), ``rank`` on the ladder
+    amx > avx512_bf16 > avx512 > avx2 > portable, ``compute_dtype`` ("f32" or "bf16"),
+    ``emulated`` (a portable twin, chosen only by name) and ``unavailable_reason`` (why this
+    machine cannot run it; None when it can)."""
+    return [dict(e) for e in _core.flash_engines()]
+
+
 def measure_peak_gflops(threads: int = 0, seconds: float = 0.2) -> dict:
     """The machine's measured peaks in GFLOP/s over `threads` threads (0 = every CPU), as
     `dattn info` reports them: ``f32_fma``, ``bf16_dot`` (vdpbf16ps; None without AVX512-BF16)

@@ -22,6 +22,7 @@
 #include "dattn/attention.hpp"
 #include "dattn/capabilities.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/page_pool.hpp"
 #include "dattn/paged.hpp"
@@ -327,6 +328,7 @@ class Layer {
   void forward_paged(const py::dict& call, const py::handle& cache_obj) const;
 
   std::string backend_name() const { return layer_.backend().name(); }
+  std::string last_engine() const { return layer_.last_engine(); }
   std::string selection() const { return layer_.selection().to_string(); }
   i64 num_kv_heads() const { return layer_.impl().config().num_kv_heads; }
   double softmax_scale() const { return layer_.impl().config().softmax_scale; }
@@ -496,6 +498,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("metadata"), py::arg("out"), py::arg("lse"))
       .def("forward_paged", &Layer::forward_paged)
       .def_property_readonly("backend_name", &Layer::backend_name)
+      .def_property_readonly("last_engine", &Layer::last_engine)
       .def_property_readonly("selection", &Layer::selection)
       .def_property_readonly("num_kv_heads", &Layer::num_kv_heads)
       .def_property_readonly("softmax_scale", &Layer::softmax_scale);
@@ -555,6 +558,19 @@ PYBIND11_MODULE(_core, m) {
         return d;
       },
       py::arg("threads") = 0, py::arg("seconds") = 0.2);
+  m.def("flash_engines", [] {
+    py::list out;
+    for (const EngineInfo& e : flash_engines()) {
+      py::dict d;
+      d["name"] = e.name;
+      d["rank"] = e.rank;
+      d["compute_dtype"] = e.compute_dtype;
+      d["emulated"] = e.emulated;
+      d["unavailable_reason"] = e.unavailable_reason ? py::cast(*e.unavailable_reason) : py::none();
+      out.append(d);
+    }
+    return out;
+  });
   m.def("backends", [] {
     py::list out;
     for (const auto& b : Registry::global().all()) out.append(backend_info(*b));

@@ -302,3 +302,33 @@ def test_forward_paged_over_a_page_pool():
     assert_close(out2, oracle(q2[None], kk[None], vv[None])[0][0])
     with pytest.raises(dattn.InvalidArgument):
         layer.forward_paged(dattn.PagedCall(q2, k2, v2, [dattn.PagedRow(6, 40, 34, table)], pool))
+
+
+def test_flash_engines_isa_compute_dtype_and_last_engine():
+    engines = dattn.flash_engines()
+    names = [e["name"] for e in engines]
+    assert names[0] == "portable"
+    assert {"avx2", "avx512", "avx512_bf16", "avx512_bf16_emulated", "amx", "amx_emulated"} <= set(names)
+    assert [e["rank"] for e in engines] == sorted(e["rank"] for e in engines)
+    q, k, v = rand(1, 40, 4, 40, seed=1), rand(1, 45, 2, 40, seed=2), rand(1, 45, 2, 40, seed=3)
+    want, _ = oracle(q, k, v)
+    for e in engines:
+        options = {"isa": e["name"], "compute_dtype": "bf16"}
+        if e["unavailable_reason"] is not None:
+            with pytest.raises(dattn.NotAvailable):
+                dattn.Attention(4, 40, num_kv_heads=2, backend="FLASH", backend_kwargs=options)
+            continue
+        layer = dattn.Attention(4, 40, num_kv_heads=2, backend="FLASH", backend_kwargs=options)
+        assert layer.last_engine == ""
+        out = layer.forward(q, k, v)  # f32 inputs, compute_dtype bf16: the cap itself runs
+        assert layer.last_engine == e["name"]
+        assert_close(out, want, torch.bfloat16 if e["compute_dtype"] == "bf16" else torch.float32)
+    # The exact default keeps f32 inputs on an f32 engine whatever the cap.
+    layer = dattn.Attention(4, 40, num_kv_heads=2, backend_kwargs={"isa": "avx512_bf16_emulated"})
+    assert_close(layer.forward(q, k, v), want)
+    assert {e["name"]: e["compute_dtype"] for e in engines}[layer.last_engine] == "f32"
+    with pytest.raises(dattn.InvalidArgument):
+        dattn.Attention(4, 40, backend_kwargs={"compute_dtype": "f64"})
+    with pytest.raises(dattn.InvalidArgument):
+        dattn.Attention(4, 40, backend_kwargs={"isa": "sse9"})
+    assert dattn.Attention(4, 40, backend="REFERENCE").last_engine == ""
