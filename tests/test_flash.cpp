@@ -435,7 +435,8 @@ TEST(FlashEngines, TheTableListsTheLadderAndTheEmulatedTwins) {
   const std::vector<EngineInfo> engines = flash_engines();
   std::vector<std::string> names;
   for (const EngineInfo& e : engines) names.push_back(e.name);
-  for (const char* want : {"portable", "avx2", "avx512", "avx512_bf16", "avx512_bf16_emulated"})
+  for (const char* want :
+       {"portable", "avx2", "avx512", "avx512_bf16", "avx512_bf16_emulated", "amx", "amx_emulated"})
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
   for (std::size_t i = 1; i < engines.size(); ++i)
     EXPECT_LE(engines[i - 1].rank, engines[i].rank) << engines[i].name;
@@ -503,6 +504,37 @@ TEST(FlashEngines, TheCapDtypeAndComputeDtypePickTheEngine) {
       EXPECT_NE(std::string(err.what()).find(*e.unavailable()), std::string::npos) << err.what();
     }
   }
+}
+
+// Without compute_dtype bf16, a bf16 engine serves only calls whose every operand is bf16: bf16
+// Q, K and V with f32 joint rows (or quantized K/V) run on an f32 engine, exactly.
+TEST(FlashEngines, Bf16EnginesServeAllBf16OperandsOnly) {
+  const auto q = testing::random_tensor({1, 30, 2, 32}, DType::BF16, 1),
+             k = testing::random_tensor({1, 30, 2, 32}, DType::BF16, 2),
+             v = testing::random_tensor({1, 30, 2, 32}, DType::BF16, 3),
+             jk = testing::random_tensor({1, 5, 2, 32}, DType::F32, 4);
+  const auto problem = [&](bool joint_f32, KvCacheDtype kv) {
+    AttentionMetadata m;
+    if (joint_f32) {
+      m.joint_query = jk.view();
+      m.joint_key = jk.view();
+      m.joint_value = jk.view();
+    }
+    AttentionConfig c = flash_config(2, 2, 32, false);
+    c.kv_cache_dtype = kv;
+    Tensor out = Tensor::empty({1, joint_f32 ? 35 : 30, 2, 32}, DType::BF16);
+    const AttentionInputs in{q, k, v, &m, out, std::nullopt};
+    return detail::prepare_call(c, 0.125, 2, in, {}).problem;
+  };
+  EXPECT_EQ(flash::operand_dtype(problem(false, KvCacheDtype::unquantized)), DType::BF16);
+  EXPECT_EQ(flash::operand_dtype(problem(true, KvCacheDtype::unquantized)), DType::F32);
+  EXPECT_EQ(flash::operand_dtype(problem(false, KvCacheDtype::int8)), DType::F32);
+  const flash::Engine& cap = flash::engine_named("amx_emulated", "isa");
+  EXPECT_EQ(
+      flash::select_engine(&cap, flash::operand_dtype(problem(true, KvCacheDtype::unquantized)),
+                           flash::ComputeDtype::f32)
+          .compute,
+      flash::ComputeDtype::f32);
 }
 
 TEST(FlashEngines, ComputeDtypeIsValidated) {
