@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/amx_permission.hpp"
+#include "core/cpu_peak.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/errors.hpp"
 
@@ -313,6 +314,31 @@ Rate measure(Kernel fn, double flops_per_iter, int threads, double seconds) {
   return best;
 }
 
+// One thread's vdpbf16ps rate over its f32 FMA rate (both in flops: a bf16 pair product and
+// an f32 FMA are 2 flops each): short trials of the two loops alternate, so a neighbour taking
+// the core for a while slows both alike, and the best trial of each counts.
+double bf16_dot_ratio_uncached() {
+#if defined(__x86_64__)
+  const CpuFeatures& f = cpu_features();
+  if (!f.avx512f || !f.avx512_bf16) return 0;
+  constexpr double kF32Flops = 2.0 * 16 * kChains, kBf16Flops = 16.0 * 2 * 2 * kChains;
+  long long iters = 1024;  // calibrate (and warm the core up) on the f32 loop
+  Run run = run_parallel(fma_avx512, iters, 1, kF32Flops);
+  while (run.seconds < 5e-4 && iters < (1LL << 40)) {
+    iters *= 2;
+    run = run_parallel(fma_avx512, iters, 1, kF32Flops);
+  }
+  double f32 = 0, bf16 = 0;
+  for (int t = 0; t < 16; ++t) {  // short trials: some of each run between preemptions
+    f32 = std::max(f32, run_parallel(fma_avx512, iters, 1, kF32Flops).gflops);
+    bf16 = std::max(bf16, run_parallel(dot_avx512bf16, iters, 1, kBf16Flops).gflops);
+  }
+  return f32 > 0 ? bf16 / f32 : 0;
+#else
+  return 0;
+#endif
+}
+
 PeakGflops measure_uncached(int threads, double seconds) {
   const CpuFeatures& f = cpu_features();
   PeakGflops out;
@@ -365,6 +391,15 @@ PeakGflops measure_uncached(int threads, double seconds) {
 }
 
 }  // namespace
+
+namespace detail {
+double bf16_dot_to_fma_ratio() {
+  static std::mutex mu;  // not at the same time as measure_peak_gflops's own runs
+  const std::lock_guard<std::mutex> lock(mu);
+  static const double ratio = bf16_dot_ratio_uncached();
+  return ratio;
+}
+}  // namespace detail
 
 PeakGflops measure_peak_gflops(int threads, double seconds) {
   if (threads > kMaxThreads)

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/amx_permission.hpp"
+#include "core/cpu_peak.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
@@ -142,8 +143,7 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
 bool bf16_dot_outruns_fma() {
   static const bool faster = [] {
     if (!cpu_features().avx512_bf16) return false;
-    const PeakGflops peak = measure_peak_gflops(1, 0.05);
-    return peak.bf16_dot.has_value() && *peak.bf16_dot >= 1.5 * peak.f32_fma;
+    return detail::bf16_dot_to_fma_ratio() >= 1.5;
   }();
   return faster;
 }

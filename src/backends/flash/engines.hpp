@@ -71,8 +71,8 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options);
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute);
 
 // True when this CPU's measured vdpbf16ps rate is at least 1.5x its f32 FMA rate (both in
-// useful multiply-adds). Measured once per process, on first use, only when a choice depends on
-// it; false without AVX512-BF16.
+// flops; detail::bf16_dot_to_fma_ratio, interleaved trials on one thread). Measured once per
+// process, on first use, only when a choice depends on it; false without AVX512-BF16.
 bool bf16_dot_outruns_fma();
 
 }  // namespace dattn::flash

@@ -1,0 +1,11 @@
+// Internal measurements of the CPU's arithmetic rates (the public ones: dattn/cpu_info.hpp).
+#pragma once
+
+namespace dattn::detail {
+
+// One thread's vdpbf16ps rate over its f32 FMA rate, both in flops, measured once per process on
+// first use (about 30-60 ms, trials of the two loops interleaved so that a noisy neighbour slows
+// both alike); 0 without AVX-512 BF16. Thread-safe.
+double bf16_dot_to_fma_ratio();
+
+}  // namespace detail
