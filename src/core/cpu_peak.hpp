@@ -8,4 +8,4 @@ namespace dattn::detail {
 // both alike); 0 without AVX-512 BF16. Thread-safe.
 double bf16_dot_to_fma_ratio();
 
-}  // namespace detail
+}  // namespace dattn::detail

@@ -68,14 +68,7 @@ void pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
 
 template <class D>
 void pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) {
-  auto* dst = static_cast<std::uint32_t*>(tile);
-  const int k2 = (keys + 1) / 2;
-  for (int j2 = 0; j2 < k2; ++j2) {
-    const float* even = v + 2 * j2 * ld;
-    pack_interleaved<D>(even, 2 * j2 + 1 < keys ? even + ld : nullptr, dv,
-                        dst + std::int64_t(j2) * dv);
-  }
-  std::fill(dst + std::int64_t(k2) * dv, dst + std::int64_t(kKeyPairs) * dv, 0u);
+  pack_row_pairs_of_rows<D>(v, ld, keys, dv, kKeyPairs, static_cast<std::uint32_t*>(tile));
 }
 
 template <class D>
@@ -90,13 +83,7 @@ void pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int /*dv*/, f
   w->rows_p = rows_p;
   w->d2p = d2_padded(d);
   w->scale = logit_scale;
-  const int d2 = (d + 1) / 2;
-  for (int e2 = 0; e2 < d2; ++e2) {
-    const float* even = qt + 2 * e2 * ldqt;
-    pack_interleaved<D>(even, 2 * e2 + 1 < d ? even + ldqt : nullptr, rows_p,
-                        w->q + std::int64_t(e2) * rows_p);
-  }
-  std::fill(w->q + std::int64_t(d2) * rows_p, w->q + std::int64_t(w->d2p) * rows_p, 0u);
+  pack_row_pairs_of_rows<D>(qt, ldqt, d, rows_p, w->d2p, w->q);
 }
 
 template <class T, class D>
@@ -151,15 +138,7 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*l
   const int rows_p = w.rows_p, k2 = (keys + 1) / 2;
   const int k2p = (k2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
   // Probabilities as pairs over keys (zeros past the tile's keys), then transposed into rows.
-  for (int j2 = 0; j2 < k2p; ++j2) {
-    std::uint32_t* dst = w.pt + std::int64_t(j2) * rows_p;
-    if (j2 >= k2) {
-      std::fill(dst, dst + rows_p, 0u);
-      continue;
-    }
-    const float* even = pt + 2 * j2 * ldpt;
-    pack_interleaved<D>(even, 2 * j2 + 1 < keys ? even + ldpt : nullptr, rows_p, dst);
-  }
+  pack_row_pairs_of_rows<D>(pt, ldpt, keys, rows_p, k2p, w.pt);
   for (int r0 = 0; r0 < rows_p; r0 += 16)
     for (int c0 = 0; c0 < k2p; c0 += 16)
       D::transpose16(w.pt + std::int64_t(c0) * rows_p + r0, rows_p, w.p + r0 * kKeyPairs + c0,

@@ -56,12 +56,7 @@ void pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
 
 template <class D>
 void pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) {
-  auto* dst = static_cast<std::uint32_t*>(tile);
-  for (int j2 = 0; j2 < (keys + 1) / 2; ++j2) {
-    const float* even = v + 2 * j2 * ld;
-    pack_interleaved<D>(even, 2 * j2 + 1 < keys ? even + ld : nullptr, dv,
-                        dst + std::int64_t(j2) * dv);
-  }
+  pack_row_pairs_of_rows<D>(v, ld, keys, dv, (keys + 1) / 2, static_cast<std::uint32_t*>(tile));
 }
 
 template <class D>
@@ -75,11 +70,7 @@ void pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int /*dv*/, f
   w->rows_p = rows_p;
   w->d2 = (d + 1) / 2;
   w->scale = logit_scale;
-  for (int e2 = 0; e2 < w->d2; ++e2) {
-    const float* even = qt + 2 * e2 * ldqt;
-    pack_interleaved<D>(even, 2 * e2 + 1 < d ? even + ldqt : nullptr, rows_p,
-                        w->q + std::int64_t(e2) * rows_p);
-  }
+  pack_row_pairs_of_rows<D>(qt, ldqt, d, rows_p, w->d2, w->q);
 }
 
 // ST[j][r0..r0+2W) for MK keys: k points at the keys' pairs, q at QT's pairs of column r0.
@@ -175,11 +166,7 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*l
   const Workspace& w = *static_cast<const Workspace*>(ws);
   const auto* v = static_cast<const std::uint32_t*>(v_tile);
   const int k2 = (keys + 1) / 2, rows_p = w.rows_p;
-  for (int j2 = 0; j2 < k2; ++j2) {
-    const float* even = pt + 2 * j2 * ldpt;
-    pack_interleaved<D>(even, 2 * j2 + 1 < keys ? even + ldpt : nullptr, rows_p,
-                        w.p + std::int64_t(j2) * rows_p);
-  }
+  pack_row_pairs_of_rows<D>(pt, ldpt, keys, rows_p, k2, w.p);
   constexpr int kRows = 8;  // 8 rows x 32 columns: 16 accumulators
   for (int c = 0; c < dv; c += 2 * D::W) {
     int r = 0;

@@ -31,3 +31,17 @@ inline void pack_interleaved(const float* even, const float* odd, int n, std::ui
     D::pack16_interleaved(even + i, odd != nullptr ? odd + i : nullptr, dst + i);
   for (; i < n; ++i) dst[i] = pair(even[i], odd != nullptr ? odd[i] : 0.0f);
 }
+
+// Rows 2i and 2i + 1 of src (`rows` rows of `n` floats, stride ld) as pair row i of dst
+// [pair_rows][n]: ceil(rows / 2) pair rows (a missing last odd row reads zeros), then zero rows
+// up to pair_rows. Q^T over d, V over keys, P^T over keys.
+template <class D>
+inline void pack_row_pairs_of_rows(const float* src, std::int64_t ld, int rows, int n,
+                                   int pair_rows, std::uint32_t* dst) {
+  const int r2 = (rows + 1) / 2;
+  for (int i = 0; i < r2; ++i) {
+    const float* even = src + 2 * i * ld;
+    pack_interleaved<D>(even, 2 * i + 1 < rows ? even + ld : nullptr, n, dst + std::int64_t(i) * n);
+  }
+  std::fill(dst + std::int64_t(r2) * n, dst + std::int64_t(pair_rows) * n, 0u);
+}

@@ -2,6 +2,7 @@
 // micro-tiles of 8 keys x 32 rows and 8 rows x 32 columns; the softmax and row conversions are
 // the AVX-512 f32 ones. Layouts and blocking: bf16_dot_impl.hpp, shared with the emulated twin
 // (kernels_bf16_emulated.cpp), which the tests run on every machine.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

@@ -5,6 +5,7 @@
 // zero, round to nearest even). It runs on every machine, so the packing, blocking, masking and
 // edge tiles of the bf16 engine are tested everywhere. The softmax and row conversions are the
 // portable f32 ones.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
