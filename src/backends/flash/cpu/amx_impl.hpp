@@ -86,6 +86,40 @@ void pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int /*dv*/, f
   pack_row_pairs_of_rows<D>(qt, ldqt, d, rows_p, w->d2p, w->q);
 }
 
+// The 32 x 32 f32 block at c (row stride ldc floats) as accumulator tiles 0-3 (0: rows 0-15,
+// columns 0-15; 1: columns 16-31; 2 and 3: rows 16-31), and back.
+template <class T>
+inline void load_block(const float* c, std::int64_t ldc) {
+  const long stride = long(ldc) * 4;
+  T::template load<0>(c, stride);
+  T::template load<1>(c + 16, stride);
+  T::template load<2>(c + 16 * ldc, stride);
+  T::template load<3>(c + 16 * ldc + 16, stride);
+}
+template <class T>
+inline void store_block(float* c, std::int64_t ldc) {
+  const long stride = long(ldc) * 4;
+  T::template store<0>(c, stride);
+  T::template store<1>(c + 16, stride);
+  T::template store<2>(c + 16 * ldc, stride);
+  T::template store<3>(c + 16 * ldc + 16, stride);
+}
+
+// One step over 16 pairs of the block's products: A's rows 0-15 at a and 16-31 at a + 16 rows
+// (stride lda pairs), B's columns 0-15 at b and 16-31 at b + 16 (stride ldb pairs).
+template <class T>
+inline void multiply_block(const std::uint32_t* a, std::int64_t lda, const std::uint32_t* b,
+                           std::int64_t ldb) {
+  T::template load<4>(a, long(lda) * 4);
+  T::template load<5>(a + 16 * lda, long(lda) * 4);
+  T::template load<6>(b, long(ldb) * 4);
+  T::template load<7>(b + 16, long(ldb) * 4);
+  T::template dp<0, 4, 6>();
+  T::template dp<1, 4, 7>();
+  T::template dp<2, 5, 6>();
+  T::template dp<3, 5, 7>();
+}
+
 template <class T, class D>
 void qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std::int64_t /*ldqt*/,
         float* st, std::int64_t ldst, int keys, int rows_p, int /*d*/, void* ws) {
@@ -93,34 +127,17 @@ void qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std::int6
   const Workspace& w = *static_cast<const Workspace*>(ws);
   const auto* k = static_cast<const std::uint32_t*>(k_tile);
   const int d2p = w.d2p;
-  const long k_stride = long(d2p) * 4, q_stride = long(rows_p) * 4, s_stride = long(ldst) * 4;
-  for (int kb = 0; kb < keys; kb += 32) {  // the K tile holds zeros up to kTileKeys keys
-    const std::uint32_t* k0 = k + std::int64_t(kb) * d2p;
-    const std::uint32_t* k1 = k0 + std::int64_t(16) * d2p;
+  for (int kb = 0; kb < keys; kb += 32)  // the K tile holds zeros up to kTileKeys keys
     for (int r0 = 0; r0 < rows_p; r0 += 32) {
       T::template zero<0>();
       T::template zero<1>();
       T::template zero<2>();
       T::template zero<3>();
-      for (int e = 0; e < d2p; e += kPairsPerTile) {
-        const std::uint32_t* q = w.q + std::int64_t(e) * rows_p + r0;
-        T::template load<4>(k0 + e, k_stride);
-        T::template load<5>(k1 + e, k_stride);
-        T::template load<6>(q, q_stride);
-        T::template load<7>(q + 16, q_stride);
-        T::template dp<0, 4, 6>();
-        T::template dp<1, 4, 7>();
-        T::template dp<2, 5, 6>();
-        T::template dp<3, 5, 7>();
-      }
-      float* s0 = st + std::int64_t(kb) * ldst + r0;
-      float* s1 = s0 + 16 * ldst;
-      T::template store<0>(s0, s_stride);
-      T::template store<1>(s0 + 16, s_stride);
-      T::template store<2>(s1, s_stride);
-      T::template store<3>(s1 + 16, s_stride);
+      for (int e = 0; e < d2p; e += kPairsPerTile)
+        multiply_block<T>(k + std::int64_t(kb) * d2p + e, d2p, w.q + std::int64_t(e) * rows_p + r0,
+                          rows_p);
+      store_block<T>(st + std::int64_t(kb) * ldst + r0, ldst);
     }
-  }
   // Scale in f32 (the bf16 operands are the unscaled inputs); a logit that is not finite
   // becomes NaN (kernels.hpp).
   const auto sc = D::set1(w.scale);
@@ -152,34 +169,15 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*l
     for (int c = 0; c < dv; c += D::W)
       D::store(o + r * ldo + c, D::mul(D::load(o + r * ldo + c), a));
   }
-  const long o_stride = long(ldo) * 4, p_stride = long(kKeyPairs) * 4, v_stride = long(dv) * 4;
-  for (int r0 = 0; r0 < rows_p; r0 += 32) {
-    const std::uint32_t* p0 = w.p + std::int64_t(r0) * kKeyPairs;
-    const std::uint32_t* p1 = p0 + 16 * kKeyPairs;
+  for (int r0 = 0; r0 < rows_p; r0 += 32)
     for (int c0 = 0; c0 < dv; c0 += 32) {
-      float* o0 = o + std::int64_t(r0) * ldo + c0;
-      float* o1 = o0 + 16 * ldo;
-      T::template load<0>(o0, o_stride);
-      T::template load<1>(o0 + 16, o_stride);
-      T::template load<2>(o1, o_stride);
-      T::template load<3>(o1 + 16, o_stride);
-      for (int e = 0; e < k2p; e += kPairsPerTile) {
-        const std::uint32_t* vj = v + std::int64_t(e) * dv + c0;
-        T::template load<4>(p0 + e, p_stride);
-        T::template load<5>(p1 + e, p_stride);
-        T::template load<6>(vj, v_stride);
-        T::template load<7>(vj + 16, v_stride);
-        T::template dp<0, 4, 6>();
-        T::template dp<1, 4, 7>();
-        T::template dp<2, 5, 6>();
-        T::template dp<3, 5, 7>();
-      }
-      T::template store<0>(o0, o_stride);
-      T::template store<1>(o0 + 16, o_stride);
-      T::template store<2>(o1, o_stride);
-      T::template store<3>(o1 + 16, o_stride);
+      float* ob = o + std::int64_t(r0) * ldo + c0;
+      load_block<T>(ob, ldo);
+      for (int e = 0; e < k2p; e += kPairsPerTile)
+        multiply_block<T>(w.p + std::int64_t(r0) * kKeyPairs + e, kKeyPairs,
+                          v + std::int64_t(e) * dv + c0, dv);
+      store_block<T>(ob, ldo);
     }
-  }
 }
 
 template <class T, class D>
