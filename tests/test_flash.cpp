@@ -27,6 +27,20 @@ AttentionConfig flash_config(i64 hq, i64 hkv, i64 d, bool causal) {
   return testing::layer_config("FLASH", hq, hkv, d, causal);
 }
 
+// FLASH's plan for a call of layer config `c` (head size and KV heads from it) with these
+// backend options, as its impl makes it.
+std::unique_ptr<Plan> flash_plan_for(const AttentionConfig& c, const AttentionInputs& in,
+                                     double scale, const BackendOptions& options = {}) {
+  const i64 hkv = c.num_kv_heads.value_or(c.num_heads);
+  const auto call = detail::prepare_call(c, scale, hkv, in, {});
+  ImplConfig ic;
+  ic.num_heads = c.num_heads;
+  ic.num_kv_heads = hkv;
+  ic.head_size = c.head_size;
+  ic.backend_kwargs = options;
+  return Registry::global().find("FLASH")->make_impl(ic)->plan(call.problem);
+}
+
 TEST(Flash, IsThePlatformDefaultOnCpu) {
   AttentionConfig c = flash_config(2, 2, 64, false);
   c.backend = "";
@@ -63,9 +77,9 @@ TEST(Flash, APlanRunsAgainOnNewDataOfTheSameShapes) {
 
 // Every engine this CPU runs (bf16 inputs, so the bf16 engines plan their pair workspaces too):
 // the f32 engines stay within 256 KiB per thread (half of a 512 KiB L2), the bf16 engines within
-// 256 KiB plus their packed Q, K, P and V panels (80 KiB at D = 128).
+// 256 KiB plus their workspace (Q and P as bf16 pairs: up to 64 KiB at D = 128; K and V live
+// in the per-call panels).
 TEST(Flash, ScratchPerThreadStaysWithin256KiBUpToHeadSize128) {
-  const auto backend = Registry::global().find("FLASH");
   for (const EngineInfo& engine : flash_engines()) {
     if (engine.unavailable_reason) continue;
     SCOPED_TRACE(engine.name);
@@ -77,13 +91,7 @@ TEST(Flash, ScratchPerThreadStaysWithin256KiBUpToHeadSize128) {
              k = Tensor::empty({1, 1000, hkv, d}, DType::BF16);
         Tensor out = Tensor::empty({1, 1000, hq, d}, DType::BF16);
         const AttentionInputs in{q, k, k, nullptr, out, std::nullopt};
-        const auto call = detail::prepare_call(c, 0.1, hkv, in, {});
-        ImplConfig ic;
-        ic.num_heads = hq;
-        ic.num_kv_heads = hkv;
-        ic.head_size = d;
-        ic.backend_kwargs["isa"] = engine.name;
-        const auto plan = backend->make_impl(ic)->plan(call.problem);
+        const auto plan = flash_plan_for(c, in, 0.1, {{"isa", engine.name}});
         EXPECT_LE(plan->scratch_bytes_per_thread(), budget)
             << "H " << hq << ":" << hkv << " D " << d << ": " << plan->to_string();
       }
@@ -213,12 +221,7 @@ TEST(Flash, SplitKvMatchesReference) {
     {
       Tensor out = Tensor::empty({1, c.sq, c.hq, 64}, DType::F32);
       const AttentionInputs in{q, k, v, &m, out, std::nullopt};
-      const auto call = detail::prepare_call(fc, 0.125, c.hkv, in, {});
-      ImplConfig ic;
-      ic.num_heads = c.hq;
-      ic.num_kv_heads = c.hkv;
-      ic.head_size = 64;
-      const auto plan = Registry::global().find("FLASH")->make_impl(ic)->plan(call.problem);
+      const auto plan = flash_plan_for(fc, in, 0.125);
       EXPECT_NE(plan->to_string().find("split-KV"), std::string::npos) << plan->to_string();
     }
     const auto got = Attention(fc).forward(q, k, v, m, true);
@@ -384,13 +387,7 @@ TEST(Flash, PanelsInSeveralWavesMatchReference) {
   {
     Tensor out = Tensor::empty({1, sq, hq, d}, DType::F32);
     const AttentionInputs in{q, k, v, &m, out, std::nullopt};
-    const auto call = detail::prepare_call(fc, 0.2, hkv, in, {});
-    ImplConfig ic;
-    ic.num_heads = hq;
-    ic.num_kv_heads = hkv;
-    ic.head_size = d;
-    const std::string plan =
-        Registry::global().find("FLASH")->make_impl(ic)->plan(call.problem)->to_string();
+    const std::string plan = flash_plan_for(fc, in, 0.2)->to_string();
     EXPECT_EQ(plan.find(" in 1 wave(s)"), std::string::npos) << plan;
     EXPECT_NE(plan.find(" wave(s)"), std::string::npos) << plan;
   }
@@ -407,18 +404,11 @@ TEST(Flash, PanelsInSeveralWavesMatchReference) {
 // The plan description of a FLASH call with these options, which names the engine that runs it.
 std::string flash_plan(const BackendOptions& options, DType dtype, i64 hq = 2, i64 hkv = 1,
                        i64 d = 64) {
-  const auto backend = Registry::global().find("FLASH");
   AttentionConfig c = flash_config(hq, hkv, d, false);
   auto q = Tensor::empty({1, 40, hq, d}, dtype), k = Tensor::empty({1, 40, hkv, d}, dtype);
   Tensor out = Tensor::empty({1, 40, hq, d}, dtype);
   const AttentionInputs in{q, k, k, nullptr, out, std::nullopt};
-  const auto call = detail::prepare_call(c, 0.125, hkv, in, {});
-  ImplConfig ic;
-  ic.num_heads = hq;
-  ic.num_kv_heads = hkv;
-  ic.head_size = d;
-  ic.backend_kwargs = options;
-  return backend->make_impl(ic)->plan(call.problem)->to_string();
+  return flash_plan_for(c, in, 0.125, options)->to_string();
 }
 
 bool engine_available(std::string_view name) {
