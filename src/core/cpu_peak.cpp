@@ -130,19 +130,7 @@ constexpr int kTileColsb = 64;  // bytes per row of every tile (16 f32, or 16 bf
 constexpr int kAmxAccumulators = 4;
 constexpr double kAmxFlopsPerIter = kAmxAccumulators * 16.0 * 16 * 32 * 2;
 
-// The 64-byte LDTILECFG operand: byte 0 palette, byte 1 start_row, bytes 16-47 colsb[16]
-// (little-endian uint16), bytes 48-63 rows[16]; tiles 0-7 are configured, 8-15 left unused.
-constexpr std::array<std::uint8_t, 64> amx_tile_config() {
-  std::array<std::uint8_t, 64> c{};
-  c[0] = 1;
-  for (int t = 0; t < 8; ++t) {
-    c[std::size_t(16 + 2 * t)] = std::uint8_t(kTileColsb & 0xff);
-    c[std::size_t(16 + 2 * t + 1)] = std::uint8_t(kTileColsb >> 8);
-    c[std::size_t(48 + t)] = std::uint8_t(kTileRows);
-  }
-  return c;
-}
-
+// Tiles are configured by detail::kAmxTileConfig (core/amx_permission.hpp): 16 x 64 bytes each.
 // One operand tile: every bf16 pair is (even, odd), given as bf16 bit patterns.
 constexpr std::array<std::uint16_t, kTileRows * kTileColsb / 2> amx_operand(std::uint16_t even,
                                                                             std::uint16_t odd) {
@@ -151,7 +139,6 @@ constexpr std::array<std::uint16_t, kTileRows * kTileColsb / 2> amx_operand(std:
   return a;
 }
 
-alignas(64) constexpr std::array<std::uint8_t, 64> kAmxConfig = amx_tile_config();
 alignas(64) constexpr auto kAmxA = amx_operand(0x3f00, 0xbf00);  // (0.5, -0.5)
 alignas(64) constexpr auto kAmxB = amx_operand(0x3e80, 0x3e80);  // (0.25, 0.25)
 
@@ -164,7 +151,7 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_amx_bf16(long long iters,
   // GCC's tile intrinsics are asm statements that read memory through pointers they do not
   // declare as memory inputs: make the stores above happen before the tile loads.
   __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
-  _tile_loadconfig(kAmxConfig.data());
+  _tile_loadconfig(detail::kAmxTileConfig.data());
   _tile_loadd(0, c[0], kTileColsb);
   _tile_loadd(1, c[1], kTileColsb);
   _tile_loadd(2, c[2], kTileColsb);

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "backends/flash/kernels.hpp"
+#include "core/amx_permission.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/dtype.hpp"
 
@@ -38,17 +39,6 @@ namespace amx_impl {
 #include "backends/flash/cpu/avx512_bf16_ops.hpp"
 #include "backends/flash/cpu/bf16_pairs.hpp"
 
-// The tile configuration: palette 1, tiles 0-7 of 16 rows x 64 bytes (bytes 16-47: bytes per
-// row of each tile as uint16; bytes 48-63: rows). A constant in memory: GCC 12's
-// _tile_loadconfig tells the compiler it reads only 8 bytes of it.
-struct alignas(64) TileConfig {
-  unsigned char palette = 1, start_row = 0, reserved[14] = {};
-  std::uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  unsigned char rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-static_assert(sizeof(TileConfig) == 64);
-const TileConfig kTileConfig{};
-
 // The tile instructions take their tile numbers as literals (GCC pastes them into the
 // assembly), hence the if-constexpr ladders. GCC 12's tile loads are asm statements that do not
 // tell the compiler they read memory: a compiler barrier before each keeps the vector stores
@@ -56,7 +46,7 @@ const TileConfig kTileConfig{};
 struct Tiles {
   static inline thread_local bool configured = false;
   static void begin() {
-    _tile_loadconfig(&kTileConfig);
+    _tile_loadconfig(detail::kAmxTileConfig.data());
     configured = true;
   }
   static void end() {
