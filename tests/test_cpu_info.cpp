@@ -181,8 +181,20 @@ TEST(CpuPeak, CachedPerThreadCount) {
   EXPECT_EQ(c.threads, d.threads);
 }
 
+// More threads than the process may run on would only time-share its CPUs (and, timed one by
+// one, add up to a rate above the machine's): the measurement runs on the CPUs it has.
+TEST(CpuPeak, AtMostTheCpusTheProcessMayRunOn) {
+  const int cpus = affinity_cpus();
+  EXPECT_GE(cpus, 1);
+  EXPECT_LE(cpus, cpu_features().logical_cpus);
+  const PeakGflops p = measure_peak_gflops(cpus + 2, 0.05);
+  EXPECT_EQ(p.threads, cpus);
+  const PeakGflops q = measure_peak_gflops(cpus, 0.05);
+  EXPECT_EQ(p.f32_fma, q.f32_fma);  // the same measurement
+}
+
 TEST(CpuPeak, NonPositiveThreadsMeansAllCpus) {
-  const int n = cpu_features().logical_cpus;
+  const int n = affinity_cpus();
   const PeakGflops a = measure_peak_gflops(0, 0.05);
   expect_sane(a, n);
   const PeakGflops b = measure_peak_gflops(n, 0.05);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <array>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -285,6 +286,129 @@ TEST(Threads, APlanFollowsTheCallersThreadCount) {
 TEST(Threads, OpenMpDefaultAboveTheLimitIsClamped) {
   const std::string log = plans_made("FLASH", {100000});
   EXPECT_NE(log.find("1024 thread(s)"), std::string::npos) << log;
+}
+
+// ---- memory the views describe (docs/semantics.md, "Tensors") ----
+
+// The field of the InvalidArgument that a call with these views raises, "<none>" when it runs;
+// `out` must then hold what it held before.
+std::string memory_field(const std::string& backend, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const TensorView& out) {
+  const Attention layer(testing::layer_config(backend, H, H, D));
+  try {
+    layer.forward_into(q, k, v, AttentionMetadata{}, out);
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(e.field()), std::string::npos) << e.what();
+    return e.field();
+  }
+  return "<none>";
+}
+
+const char* const kDenseBackends[] = {"FLASH", "REFERENCE", "VIDEO_SPARSE"};
+
+TEST(Memory, LyingViewsAreRefusedNamingTheTensor) {
+  Inputs in;
+  const std::array<i64, 4> shape{B, S, H, D};
+  const std::array<i64, 4> huge{i64(1) << 62, i64(1) << 61, i64(1) << 60, 1};
+  const TensorView null_q(nullptr, DType::F32, shape);
+  const TensorView overflow_k(in.k.data(), DType::F32, shape, huge);
+  const TensorView misaligned_v(static_cast<char*>(in.v.data()) + 1, DType::F32, shape);
+  const TensorView null_out(nullptr, DType::F32, shape);
+  for (const char* backend : kDenseBackends) {
+    SCOPED_TRACE(backend);
+    EXPECT_EQ(memory_field(backend, null_q, in.k, in.v, in.out), "query");
+    EXPECT_EQ(memory_field(backend, in.q, overflow_k, in.v, in.out), "key");
+    EXPECT_EQ(memory_field(backend, in.q, in.k, misaligned_v, in.out), "value");
+    EXPECT_EQ(memory_field(backend, in.q, in.k, in.v, null_out), "out");
+  }
+  // An empty view may have a null pointer.
+  const std::array<i64, 4> none{B, 0, H, D};
+  const TensorView empty_q(nullptr, DType::F32, none);
+  Tensor empty_out = Tensor::zeros({B, 0, H, D}, DType::F32);
+  EXPECT_EQ(memory_field("FLASH", empty_q, in.k, in.v, empty_out), "<none>");
+}
+
+TEST(Memory, AnOutputThatOverlapsItselfOrAnInputIsRefusedBeforeAnythingIsWritten) {
+  Inputs in;
+  const std::array<i64, 4> shape{B, S, H, D};
+  // One row of D floats seen as every row: an expanded tensor.
+  Tensor row = random_tensor({D}, DType::F32, 9);
+  const Tensor before = Tensor::copy_of(row);
+  const std::array<i64, 4> expanded{0, 0, 0, 1};
+  const TensorView self_overlap(row.data(), DType::F32, shape, expanded);
+  // Out and K over one buffer, half a tensor apart: both dense, their bytes intersect.
+  const i64 n = B * S * H * D;
+  Tensor buffer = random_tensor({2 * n}, DType::F32, 10);
+  const TensorView k_half(buffer.data(), DType::F32, shape);
+  const TensorView out_half(buffer.data_as<float>() + n / 2, DType::F32, shape);
+  const Tensor buffer_before = Tensor::copy_of(buffer);
+  for (const char* backend : kDenseBackends) {
+    SCOPED_TRACE(backend);
+    EXPECT_EQ(memory_field(backend, in.q, in.k, in.v, self_overlap), "out");
+    EXPECT_TRUE(testing::bitwise_equal(row, before));
+    EXPECT_EQ(memory_field(backend, in.q, k_half, in.v, out_half), "out");
+    EXPECT_EQ(memory_field(backend, in.q, in.k, in.v, in.k), "out");  // out is K itself
+    EXPECT_EQ(memory_field(backend, in.q, in.k, in.v, in.v), "out");
+    EXPECT_TRUE(testing::bitwise_equal(buffer, buffer_before));
+  }
+}
+
+// Views that interleave in one buffer without sharing an element are accepted (overlap is not
+// decided for views that are not dense), and out may be Q itself: each output row depends on its
+// own query row alone.
+TEST(Memory, InterleavedViewsAndOutIntoQueryComputeRight) {
+  // [B, S, 4, H, D]: q, k, v and out are slices 0..3 of dim 2.
+  Tensor packed = random_tensor({B, S, 4, H, D}, DType::F32, 11);
+  const std::array<i64, 4> shape{B, S, H, D};
+  const std::array<i64, 4> strides{S * 4 * H * D, 4 * H * D, D, 1};
+  const auto slice = [&](i64 i) {
+    return TensorView(packed.data_as<float>() + i * H * D, DType::F32, shape, strides);
+  };
+  const Tensor q = Tensor::copy_of(slice(0)), k = Tensor::copy_of(slice(1)),
+               v = Tensor::copy_of(slice(2));
+  const Attention ref(testing::layer_config("REFERENCE", H, H, D));
+  Tensor want = Tensor::zeros({B, S, H, D}, DType::F32);
+  ref.forward_into(q, k, v, AttentionMetadata{}, want);
+  for (const char* backend : {"FLASH", "REFERENCE"}) {
+    SCOPED_TRACE(backend);
+    const Attention layer(testing::layer_config(backend, H, H, D));
+    Tensor work = Tensor::copy_of(packed);
+    const auto view = [&](i64 i) {
+      return TensorView(work.data_as<float>() + i * H * D, DType::F32, shape, strides);
+    };
+    layer.forward_into(view(0), view(1), view(2), AttentionMetadata{}, view(3));
+    EXPECT_LT(testing::compare(view(3), want).normwise_rel, 1e-5);
+    Tensor q_in_place = Tensor::copy_of(q);
+    layer.forward_into(q_in_place, k, v, AttentionMetadata{}, q_in_place);
+    EXPECT_LT(testing::compare(q_in_place, want).normwise_rel, 1e-5);
+  }
+}
+
+TEST(Memory, PagedCallsRefuseLyingAndOverlappingViews) {
+  const i64 blocks = 4, bs = 4, t = 3;
+  Tensor kp = Tensor::zeros({blocks, bs, H, D}, DType::F32);
+  Tensor vp = Tensor::zeros({blocks, bs, H, D}, DType::F32);
+  Tensor q = random_tensor({t, H, D}, DType::F32, 1), kn = random_tensor({t, H, D}, DType::F32, 2),
+         vn = random_tensor({t, H, D}, DType::F32, 3), out = Tensor::zeros({t, H, D}, DType::F32);
+  const Attention layer(testing::layer_config("FLASH", H, H, D));
+  const auto field = [&](const TensorView& qv, const TensorView& ov, const TensorView& kpv) {
+    PagedAttentionCall call{qv, kn,  vn,    ov, std::nullopt, PagedKvCache(kpv, vp),
+                            {}, 1.0, false, {}};
+    call.rows.push_back(PagedRow{t, t, 0, {0}});
+    try {
+      layer.forward_paged(call);
+    } catch (const InvalidArgument& e) {
+      return e.field();
+    }
+    return std::string("<none>");
+  };
+  const std::array<i64, 3> shape{t, H, D};
+  EXPECT_EQ(field(TensorView(nullptr, DType::F32, shape), out, kp), "q");
+  EXPECT_EQ(field(q, kn, kp), "out");  // out is k_new
+  const std::array<i64, 3> zero{0, 0, 1};
+  EXPECT_EQ(field(q, TensorView(out.data(), DType::F32, shape, zero), kp), "out");
+  EXPECT_EQ(field(q, out, vp), "cache.v_pages");  // the K and V pages are one tensor
+  EXPECT_EQ(field(q, out, kp), "<none>");
 }
 
 }  // namespace

@@ -184,6 +184,11 @@ class Backend : public std::enable_shared_from_this<Backend> {
   }
   // Throws NotAvailable when an optional dependency or hardware feature is missing.
   virtual void validate_available() const {}
+  // Throws when the process's configuration of this backend is wrong (FLASH: DATTN_ISA names no
+  // engine, InvalidArgument, or one this CPU lacks, NotAvailable). Unlike validate_available, a
+  // configuration error is not a reason to skip the backend: the registry raises it under
+  // automatic choice too, rather than falling through to a slower backend.
+  virtual void validate_configuration() const {}
 
   // The seed's get_impl_cls: makes an Impl. Must not be called for a config that
   // refusal() rejects; the registry and the layer check first.

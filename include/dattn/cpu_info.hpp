@@ -30,7 +30,7 @@ const CpuFeatures& cpu_features();
 struct PeakGflops {
   double f32_fma = 0;              // f32 FMA GFLOP/s over `threads` threads (2 flops per lane)
   std::optional<double> bf16_dot;  // vdpbf16ps GFLOP/s (2 flops per bf16 pair), if avx512_bf16
-  int threads = 1;                 // threads that actually ran
+  int threads = 1;                 // threads that actually ran (at most affinity_cpus())
   std::string isa;                 // ISA used for f32: "avx512f", "avx2+fma", "neon" or "scalar"
   // AMX tdpbf16ps GFLOP/s (2 flops per bf16 pair product; one 16x16x32 tile product = 16384
   // flops), measured only where this process may run AMX-BF16 tile instructions (the CPU has
@@ -44,8 +44,10 @@ struct PeakGflops {
 
 // Measures the machine's peak with a register-resident loop of independent FMA chains (and, where
 // present, vdpbf16ps chains and tdpbf16ps on tiles loaded once), run on `threads` OpenMP threads
-// at once, best of a few short trials, about `seconds` in total (shared by the kinds measured).
-// threads <= 0 means cpu_features().logical_cpus (at most kMaxThreads); threads above
+// at once and timed as one team over one interval, best of a few short trials, about `seconds`
+// in total (shared by the kinds measured). At most affinity_cpus() threads run (the CPUs this
+// process may run on): more would only time-share them; PeakGflops::threads says how many ran.
+// threads <= 0 means every CPU the process may run on (at most kMaxThreads); threads above
 // kMaxThreads raise InvalidArgument naming "threads". The result is cached per thread count for the
 // life of the process: later calls with the same count return it without measuring again (and
 // ignore `seconds`). Thread-safe; concurrent calls are serialised so they don't disturb each other.

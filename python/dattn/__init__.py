@@ -10,7 +10,14 @@
 The compiled core (dattn._core) binds the C++ library; the rest is this pure-Python layer.
 """
 
-from .errors import Error, InvalidArgument, NotAvailable, Unsupported, UnsupportedTensor
+from .errors import (
+    Error,
+    InvalidArgument,
+    InvalidArgumentType,
+    NotAvailable,
+    Unsupported,
+    UnsupportedTensor,
+)
 from .metadata import (
     AttentionMetadata,
     PackedPaddingMetadata,
@@ -37,6 +44,7 @@ __all__ = [
     "BackendInfo",
     "Error",
     "InvalidArgument",
+    "InvalidArgumentType",
     "NotAvailable",
     "PackedPaddingMetadata",
     "PagePool",

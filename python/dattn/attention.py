@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _core
-from .errors import InvalidArgument, _with_field
+from .errors import InvalidArgument, InvalidArgumentType, _with_field, as_int
 from .metadata import metadata_dict
 from .tensors import empty_like_input, float32_like, tensor_arg
 
@@ -24,6 +25,32 @@ def _layout_name(qkv_layout) -> str:
             "qkv_layout",
         )
     return name
+
+
+def _backend_kwargs(kwargs) -> dict:
+    """The layer's backend options as a dict of str keys; anything but None or a mapping is
+    ``InvalidArgument`` naming ``backend_kwargs``."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise _with_field(
+            InvalidArgumentType,
+            f"backend_kwargs: expected a mapping of option names to values, got "
+            f"{type(kwargs).__name__}",
+            "backend_kwargs",
+        )
+    out = {}
+    for k, v in kwargs.items():
+        if not isinstance(k, str):
+            raise _with_field(
+                InvalidArgumentType,
+                f"backend_kwargs: option names must be strings, got {k!r:.80}",
+                "backend_kwargs",
+            )
+        if not isinstance(v, bool) and hasattr(v, "__index__") and not isinstance(v, int):
+            v = as_int(v, f"backend_kwargs.{k}")  # numpy integers are integers
+        out[k] = v
+    return out
 
 
 class Attention:
@@ -60,7 +87,7 @@ class Attention:
                 "prefix": prefix,
                 "qkv_layout": self.layout,
                 "backend": backend or "",
-                "backend_kwargs": dict(backend_kwargs or {}),
+                "backend_kwargs": _backend_kwargs(backend_kwargs),
                 "role": role,
                 "kv_cache_dtype": kv_cache_dtype,
                 "allow_fallback": bool(allow_fallback),
@@ -166,16 +193,23 @@ class Attention:
                 "layer": call.layer,
                 "rows": [
                     {
-                        "query_len": r.query_len,
-                        "seq_len": r.seq_len,
-                        "kv_start_pos": r.kv_start_pos,
-                        "block_table": [int(x) for x in r.block_table],
+                        "query_len": as_int(r.query_len, f"rows[{i}].query_len"),
+                        "seq_len": as_int(r.seq_len, f"rows[{i}].seq_len"),
+                        "kv_start_pos": as_int(r.kv_start_pos, f"rows[{i}].kv_start_pos"),
+                        "block_table": [
+                            as_int(x, f"rows[{i}].block_table") for x in r.block_table
+                        ],
                     }
-                    for r in call.rows
+                    for i, r in enumerate(call.rows)
                 ],
                 "softmax_scale": call.softmax_scale,
                 "causal": bool(call.causal),
-                "full_attn_spans": [(int(a), int(e)) for a, e in (call.full_attn_spans or [])],
+                "full_attn_spans": [
+                    (as_int(span[0], "full_attn_spans"), as_int(span[1], "full_attn_spans"))
+                    if isinstance(span, (tuple, list)) and len(span) == 2
+                    else as_int(None, "full_attn_spans")  # not a (start, end) pair
+                    for span in (call.full_attn_spans or [])
+                ],
             },
             call.pool._pool,
         )
@@ -215,7 +249,7 @@ class PagePool:
         return list(self._pool.allocate(pages))
 
     def free(self, pages: Sequence[int]) -> None:
-        self._pool.free([int(p) for p in pages])
+        self._pool.free([as_int(p, "pages") for p in pages])
 
     @property
     def capacity(self) -> int:

@@ -8,8 +8,12 @@ either may be passed to a call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Tuple
+
+from .errors import InvalidArgument, InvalidArgumentType, _with_field, as_float, as_int
 
 
 @dataclass(frozen=True)
@@ -78,35 +82,77 @@ _INT_KEYS = ("max_seqlen_q", "max_seqlen_k", "valid_kv_length")
 _TENSOR_FIELDS = ("attn_mask", "joint_attn_mask", "joint_query", "joint_key", "joint_value")
 
 
+def _invalid(field_name, message, cls=InvalidArgument):
+    return _with_field(cls, f"{field_name}: {message}", field_name)
+
+
+def _opt_int(v, field_name):
+    return None if v is None else as_int(v, field_name)
+
+
+def _ints(seq, n, field_name, what):
+    """``seq`` as a tuple of ``n`` ints (a tuple, list or other sequence; not a string)."""
+    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__") or len(seq) != n:
+        raise _invalid(field_name, f"expected {what}, got {seq!r:.80}", InvalidArgumentType)
+    return tuple(as_int(x, field_name) for x in seq)
+
+
+def _sequence(v, field_name, what):
+    if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__iter__"):
+        raise _invalid(field_name, f"expected {what}, got {v!r:.80}", InvalidArgumentType)
+    return list(v)
+
+
 def _video_layout_dict(vl):
     if vl is None:
         return None
     spans = []
-    for s in getattr(vl, "video_spans", ()) or ():
+    for s in _sequence(
+        getattr(vl, "video_spans", ()) or (), "video_layout.video_spans", "a sequence of spans"
+    ):
         spans.append(
             {
-                "start": int(getattr(s, "start")),
-                "latent_grid": tuple(int(x) for x in getattr(s, "latent_grid")),
+                "start": as_int(getattr(s, "start"), "video_layout.video_spans.start"),
+                "latent_grid": _ints(
+                    getattr(s, "latent_grid"), 3, "video_layout.video_spans.latent_grid",
+                    "a (t, h, w) triple",
+                ),
                 "role": str(getattr(s, "role")),
             }
         )
     grid = getattr(vl, "latent_grid", None)
     return {
-        "prefix_len": getattr(vl, "prefix_len", None),
-        "latent_grid": None if grid is None else tuple(int(x) for x in grid),
-        "used_len": getattr(vl, "used_len", None),
+        "prefix_len": _opt_int(getattr(vl, "prefix_len", None), "video_layout.prefix_len"),
+        "latent_grid": None
+        if grid is None
+        else _ints(grid, 3, "video_layout.latent_grid", "a (t, h, w) triple"),
+        "used_len": _opt_int(getattr(vl, "used_len", None), "video_layout.used_len"),
         "video_spans": spans,
     }
 
 
+# The seed's AttentionMetadata fields: an object with any of them is metadata.
+_SEED_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
+
+
 def metadata_dict(meta, tensor_arg):
     """The per-call dict dattn._core reads, from a dattn or engine AttentionMetadata (any object
-    with the seed's field names; missing fields count as unset). ``tensor_arg`` turns each
-    tensor into what the core takes."""
+    with the seed's field names; missing fields count as unset) or a mapping of those names.
+    ``tensor_arg`` turns each tensor into what the core takes. Anything else (a list, a string,
+    a number) is ``InvalidArgument`` naming ``attn_metadata``; so is a field of the wrong type."""
     if meta is None:
         return None
-    if isinstance(meta, dict):
+    if isinstance(meta, Mapping):
         get = meta.get
+    elif isinstance(meta, (str, bytes, int, float, list, tuple)) or not any(
+        hasattr(meta, name) for name in _SEED_FIELDS
+    ):
+        raise _invalid(
+            "attn_metadata",
+            f"expected None, an AttentionMetadata (or an object with its fields) or a mapping "
+            f"of its field names, got {type(meta).__name__}",
+            InvalidArgumentType,
+        )
     else:
 
         def get(name, default=None):
@@ -116,38 +162,69 @@ def metadata_dict(meta, tensor_arg):
     for name in _TENSOR_FIELDS:
         t = get(name)
         d[name] = None if t is None else tensor_arg(t, name)
-    d["joint_strategy"] = get("joint_strategy", "front")
+    strategy = get("joint_strategy", "front")
+    if strategy is not None and not isinstance(strategy, str):
+        raise _invalid(
+            "joint_strategy", f"expected 'front' or 'rear', got {strategy!r:.80}",
+            InvalidArgumentType,
+        )
+    d["joint_strategy"] = strategy
     spans = get("full_attn_spans")
     if spans is not None:
-        d["full_attn_spans"] = [[(int(a), int(e)) for (a, e) in sample] for sample in spans]
+        d["full_attn_spans"] = [
+            [
+                _ints(span, 2, "full_attn_spans", "(start, end) pairs")
+                for span in _sequence(sample, "full_attn_spans", "a list of (start, end) pairs")
+            ]
+            for sample in _sequence(spans, "full_attn_spans", "a list per batch item")
+        ]
     ranges = get("query_ranges")
     if ranges is not None:
+        what = "(local_start, local_end, global_start) triples"
         d["query_ranges"] = [
-            (int(r.local_start), int(r.local_end), int(r.global_start))
-            if not isinstance(r, (tuple, list))
-            else tuple(int(x) for x in r)
-            for r in ranges
+            _ints(r, 3, "query_ranges", what)
+            if isinstance(r, (tuple, list))
+            else (
+                as_int(getattr(r, "local_start", None), "query_ranges.local_start"),
+                as_int(getattr(r, "local_end", None), "query_ranges.local_end"),
+                as_int(getattr(r, "global_start", None), "query_ranges.global_start"),
+            )
+            for r in _sequence(ranges, "query_ranges", "a sequence of QueryRange")
         ]
     for name in ("q_global_start", "k_global_start"):
         if get(name) is not None:
-            d[name] = get(name)
+            d[name] = as_int(get(name), name)
     d["video_layout"] = _video_layout_dict(get("video_layout"))
     pp = get("packed_padding")
     if pp is not None:
         d["packed_padding"] = {
-            "q_length": int(pp.q_length),
-            "kv_length": int(pp.kv_length),
+            "q_length": as_int(getattr(pp, "q_length", None), "packed_padding.q_length"),
+            "kv_length": as_int(getattr(pp, "kv_length", None), "packed_padding.kv_length"),
             "cu_seqlens_q": tensor_arg(pp.cu_seqlens_q, "packed_padding.cu_seqlens_q"),
             "cu_seqlens_k": tensor_arg(pp.cu_seqlens_k, "packed_padding.cu_seqlens_k"),
         }
-    extra = get("extra") or {}
+    extra = get("extra")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise _invalid(
+            "extra", f"expected a mapping, got {type(extra).__name__}", InvalidArgumentType
+        )
     e = {}
-    for k, v in dict(extra).items():
-        if _is_tensor(v):
-            v = tensor_arg(v, str(k))
-        elif k in _INT_KEYS and v is not None and not isinstance(v, bool) and hasattr(v, "__index__"):
-            v = int(v)  # numpy and torch integer scalars
-        e[str(k)] = v
+    for k, v in extra.items():
+        if not isinstance(k, str):
+            raise _invalid("extra", f"keys must be strings, got {k!r:.80}", InvalidArgumentType)
+        if k in _INT_KEYS and v is not None:
+            v = as_int(v, k)  # numpy integer scalars too; int64 range
+        elif k == "laser_input_scale" and v is not None:
+            v = as_float(v, k)
+        elif isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+            v = as_int(v, k)  # a numpy integer in the backend's slot is an int
+        elif isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+            v = float(v)  # and a numpy float a float
+        elif _is_tensor(v):
+            v = tensor_arg(v, k)
+        e[k] = v
     d["extra"] = e
     return d
 

@@ -28,7 +28,7 @@ import itertools
 from typing import Callable, Dict, Optional, Tuple
 
 from .attention import Attention
-from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field
+from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field, as_float
 from .metadata import AttentionMetadata
 
 try:
@@ -208,7 +208,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         _check_torch(attn_mask, "attn_mask")
         mask = _broadcast_mask(attn_mask, tuple(query.shape[:-1]) + (int(key.shape[-2]),))
-    scale = None if scale is None else float(scale)
+    scale = None if scale is None else as_float(scale, "scale")
     out_shape = (*query.shape[:-1], int(value.shape[-1]))
 
     if rank <= 4:

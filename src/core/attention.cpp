@@ -75,7 +75,10 @@ struct Attention::State {
   // The impl that ran the latest call (slots live as long as the layer).
   std::atomic<const Impl*> last_impl{nullptr};
 
-  std::unique_ptr<ImplSlot> make_slot(std::shared_ptr<const Backend> backend) const {
+  // `fallback`: the slot serves calls the chosen backend lacks a feature for; the options meant
+  // for the chosen backend's engines (isa, compute_dtype) are not passed on to it.
+  std::unique_ptr<ImplSlot> make_slot(std::shared_ptr<const Backend> backend,
+                                      bool fallback = false) const {
     ImplConfig ic;
     ic.num_heads = config.num_heads;
     ic.head_size = config.head_size;
@@ -85,6 +88,8 @@ struct Attention::State {
     ic.prefix = config.prefix;
     ic.qkv_layout = config.qkv_layout;
     ic.backend_kwargs = config.backend_options;
+    if (fallback)
+      for (const char* key : {"isa", "compute_dtype"}) ic.backend_kwargs.erase(key);
     ic.kv_cache_dtype = config.kv_cache_dtype;
     ic.platform = config.platform;
     auto slot = std::make_unique<ImplSlot>();
@@ -113,7 +118,7 @@ struct Attention::State {
     for (const auto& b : registry->all()) {
       if (!b->exact() || b->refusal(r, spec)) continue;
       auto& slot = fallbacks[b->name()];
-      if (!slot) slot = make_slot(b);
+      if (!slot) slot = make_slot(b, /*fallback=*/true);
       if (verbose())
         std::cerr << "dattn: " << chosen.name() << " lacks " << names << "; this call runs on "
                   << b->name() << '\n';

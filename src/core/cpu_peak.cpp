@@ -227,44 +227,46 @@ volatile float g_seed = 1.0f;
 using Clock = std::chrono::steady_clock;
 
 struct Run {
-  double gflops = 0;   // sum over threads of each thread's own rate
-  double seconds = 0;  // the slowest thread's time
+  double gflops = 0;   // the team's flops over the team's interval
+  double seconds = 0;  // the interval: from the barrier all threads start at to the last one done
   int threads = 1;     // threads that actually ran
 };
 
-// Runs `fn` on `threads` threads at once. Each thread times its own loop, so time a thread
-// spends waiting for the others (or descheduled before it starts) does not count against the
-// machine's rate; the rates of the threads add up.
+// Runs `fn` on `threads` threads at once, timed as a team on one clock: the interval opens when
+// every thread has passed a barrier and closes when the last has finished, so a thread that
+// runs late (descheduled, or sharing a CPU with another) makes the interval longer instead of
+// adding a rate of its own.
 Run run_parallel(Kernel fn, long long iters, int threads, double flops_per_iter) {
   const float seed = g_seed;
-  std::vector<double> seconds(static_cast<std::size_t>(std::max(threads, 1)), 0.0);
   int team = 1;
   float sum = 0;
+  Clock::time_point t0, t1;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) reduction(+ : sum)
   {
 #pragma omp barrier
-    const Clock::time_point t0 = Clock::now();
+#pragma omp master
+    {
+      t0 = Clock::now();
+      team = omp_get_num_threads();
+    }
     sum += fn(iters, seed);
-    const Clock::time_point t1 = Clock::now();
-    const auto me = static_cast<std::size_t>(omp_get_thread_num());
-    if (me < seconds.size()) seconds[me] = std::chrono::duration<double>(t1 - t0).count();
-    if (me == 0) team = omp_get_num_threads();
+#pragma omp barrier
+#pragma omp master
+    t1 = Clock::now();
   }
 #else
   (void)threads;
-  const Clock::time_point t0 = Clock::now();
+  t0 = Clock::now();
   sum = fn(iters, seed);
-  seconds[0] = std::chrono::duration<double>(Clock::now() - t0).count();
+  t1 = Clock::now();
 #endif
   g_sink = sum;
   Run run;
   run.threads = team;
-  for (int t = 0; t < team && t < static_cast<int>(seconds.size()); ++t) {
-    const double sec = seconds[static_cast<std::size_t>(t)];
-    run.seconds = std::max(run.seconds, sec);
-    if (sec > 0) run.gflops += flops_per_iter * static_cast<double>(iters) / sec * 1e-9;
-  }
+  run.seconds = std::chrono::duration<double>(t1 - t0).count();
+  if (run.seconds > 0)
+    run.gflops = flops_per_iter * static_cast<double>(iters) * team / run.seconds * 1e-9;
   return run;
 }
 
@@ -394,7 +396,10 @@ PeakGflops measure_peak_gflops(int threads, double seconds) {
                                          " is above the limit of " + std::to_string(kMaxThreads) +
                                          " (kMaxThreads); valid: 1 to " +
                                          std::to_string(kMaxThreads) + ", or <= 0 for every CPU");
-  if (threads <= 0) threads = std::min(cpu_features().logical_cpus, kMaxThreads);
+  // At most as many threads as the process may run on: more would time-share CPUs, which says
+  // nothing more about the machine's rate.
+  if (threads <= 0) threads = kMaxThreads;
+  threads = std::min(threads, affinity_cpus());
   if (!(seconds > 0) || !std::isfinite(seconds)) seconds = 0.2;
   seconds = std::min(seconds, 60.0);
 

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "core/kv_quant.hpp"
+#include "core/tensor_checks.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/metadata.hpp"
 
@@ -34,6 +35,27 @@ void validate_paged_call(const PagedAttentionCall& call, std::int64_t num_heads,
                          std::int64_t num_kv_heads, std::int64_t head_size) {
   const TensorView& kp = call.cache.k_pages;
   const TensorView& vp = call.cache.v_pages;
+  // Memory first (docs/semantics.md, "Tensors"): every view addresses real memory; the outputs
+  // (out, lse and the pages, which this call writes) alias neither themselves nor what is read.
+  const std::vector<std::pair<const TensorView*, const char*>> read{
+      {&call.q, "q"}, {&call.k_new, "k_new"}, {&call.v_new, "v_new"}};
+  std::vector<std::pair<const TensorView*, const char*>> written_views{
+      {&call.out, "out"}, {&kp, "cache.k_pages"}, {&vp, "cache.v_pages"}};
+  if (call.lse) written_views.emplace_back(&*call.lse, "lse");
+  if (call.cache.k_scales) written_views.emplace_back(&*call.cache.k_scales, "cache.k_scales");
+  if (call.cache.v_scales) written_views.emplace_back(&*call.cache.v_scales, "cache.v_scales");
+  for (const auto& [t, name] : read) detail::check_view_memory(*t, name);
+  for (const auto& [t, name] : written_views) {
+    detail::check_view_memory(*t, name);
+    detail::check_output_internal_overlap(*t, name);
+  }
+  for (std::size_t i = 0; i < written_views.size(); ++i) {
+    const auto& [t, name] = written_views[i];
+    for (const auto& [in, in_name] : read)
+      detail::check_output_overlap(*t, name, *in, in_name, t == &call.out && in == &call.q);
+    for (std::size_t j = 0; j < i; ++j)
+      detail::check_output_overlap(*t, name, *written_views[j].first, written_views[j].second);
+  }
   if (kp.ndim() != 4 || vp.ndim() != 4)
     invalid("cache.k_pages", "pages must be [num_blocks, block_size, Hkv, D]; got " +
                                  kp.describe() + " and " + vp.describe());
@@ -170,6 +192,25 @@ void write_paged_kv(const PagedAttentionCall& call) {
       detail::require_finite_for_quantization(
           src->unsqueezed(0), pages->dtype() == DType::I8 ? KvCacheDtype::int8 : KvCacheDtype::fp8,
           field);
+  // (row of the call, page, slot) of every new token. Every buffer is allocated before the
+  // first write (docs/semantics.md, "Faults"): running out of memory leaves the pages as they
+  // were, never with new K and old V.
+  struct Target {
+    std::int64_t t, page, slot;
+  };
+  std::vector<Target> targets;
+  std::int64_t t0 = 0;
+  for (const PagedRow& r : call.rows) {
+    for (std::int64_t n = 0; n < r.query_len; ++n) {
+      const std::int64_t s = paged_slot(r.block_table, bs, r.kv_start_pos + n);
+      targets.push_back({t0 + n, s / bs, s % bs});
+    }
+    t0 += r.query_len;
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> touched;  // (page, head) of quantized pages
+  std::vector<float> need;
+  touched.reserve(targets.size() * std::size_t(call.cache.k_pages.size(2)));
+  need.reserve(touched.capacity());
   for (const auto& [src, pages, scales] :
        {std::tuple{&call.k_new, &call.cache.k_pages, &call.cache.k_scales},
         std::tuple{&call.v_new, &call.cache.v_pages, &call.cache.v_scales}}) {
@@ -179,24 +220,11 @@ void write_paged_kv(const PagedAttentionCall& call) {
       return load_as_f32(source->data(), source->dtype(),
                          t * source->stride(0) + h * source->stride(1) + e * source->stride(2));
     };
-    // (row of the call, page, slot) of every new token.
-    struct Target {
-      std::int64_t t, page, slot;
-    };
-    std::vector<Target> targets;
-    std::int64_t t0 = 0;
-    for (const PagedRow& r : call.rows) {
-      for (std::int64_t n = 0; n < r.query_len; ++n) {
-        const std::int64_t s = paged_slot(r.block_table, bs, r.kv_start_pos + n);
-        targets.push_back({t0 + n, s / bs, s % bs});
-      }
-      t0 += r.query_len;
-    }
     const bool quantized = is_quantized_page_dtype(pages->dtype());
     if (quantized) {
       // Grow each touched (page, head) scale to cover its new values; re-encode what it held.
-      std::vector<std::pair<std::int64_t, std::int64_t>> touched;  // (page, head)
-      std::vector<float> need;
+      touched.clear();  // within the capacity reserved above: no allocation
+      need.clear();
       for (const Target& tg : targets)
         for (std::int64_t h = 0; h < heads; ++h) {
           float absmax = 0.0f;

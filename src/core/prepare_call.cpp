@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/tensor_checks.hpp"
 #include "core/threads.hpp"
 #include "core/video_layout.hpp"
 #include "dattn/errors.hpp"
@@ -635,6 +636,44 @@ void build_segments(const AttentionMetadata& meta, const Varlen& varlen, bool pa
   if (real_docs > 1) p.features.add(Feature::multi_doc_packed_varlen);
 }
 
+// ---- memory (docs/semantics.md, "Tensors"): every view addresses real memory, and the outputs
+// alias neither themselves nor an input, checked before anything is read or written ----
+void check_memory(const AttentionInputs& in, const AttentionMetadata& meta) {
+  struct Named {
+    const TensorView* view;
+    const char* field;
+  };
+  std::vector<Named> inputs{{&in.q, "query"}, {&in.k, "key"}, {&in.v, "value"}};
+  const auto add = [&](const std::optional<TensorView>& t, const char* field) {
+    if (t) inputs.push_back({&*t, field});
+  };
+  add(meta.attn_mask, "attn_mask");
+  add(meta.joint_attn_mask, "joint_attn_mask");
+  add(meta.joint_query, "joint_query");
+  add(meta.joint_key, "joint_key");
+  add(meta.joint_value, "joint_value");
+  add(meta.extra.cu_seqlens_q, "cu_seqlens_q");
+  add(meta.extra.cu_seqlens_k, "cu_seqlens_k");
+  if (meta.packed_padding) {
+    inputs.push_back({&meta.packed_padding->cu_seqlens_q, "packed_padding.cu_seqlens_q"});
+    inputs.push_back({&meta.packed_padding->cu_seqlens_k, "packed_padding.cu_seqlens_k"});
+  }
+  for (const Named& t : inputs) check_view_memory(*t.view, t.field);
+  for (const auto& [key, value] : meta.extra.backend)
+    if (const auto* t = std::get_if<TensorView>(&value)) check_view_memory(*t, key);
+  check_view_memory(in.out, "out");
+  check_output_internal_overlap(in.out, "out");
+  // An output row depends on its own query row alone, so out may be query itself.
+  for (const Named& t : inputs)
+    check_output_overlap(in.out, "out", *t.view, t.field, t.view == &in.q);
+  if (in.lse) {
+    check_view_memory(*in.lse, "lse");
+    check_output_internal_overlap(*in.lse, "lse");
+    check_output_overlap(*in.lse, "lse", in.out, "out");
+    for (const Named& t : inputs) check_output_overlap(*in.lse, "lse", *t.view, t.field);
+  }
+}
+
 }  // namespace
 
 PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i64 num_kv_heads,
@@ -646,6 +685,9 @@ PreparedCall prepare_call(const AttentionConfig& config, double softmax_scale, i
   PreparedCall call;
   AttentionProblem& p = call.problem;
 
+  // Validation alone (a parallel strategy's shape-only views, options.materialize false)
+  // reads no memory: the views' pointers are not set.
+  if (options.materialize) check_memory(in, meta);
   const Qkv t = check_qkv(config, num_kv_heads, in);
   const JointViews joint = check_joint(meta, layout, t, options);
   const bool front = meta.joint_strategy == JointStrategy::front;

@@ -94,6 +94,7 @@ Selection Registry::select(const BackendRequest& request,
       throw NotAvailable("backend", "backend " + sel.backend->name() + " (" + source +
                                         ") does not run on platform " +
                                         std::string(platform_name(request.platform)));
+    sel.backend->validate_configuration();
     sel.backend->validate_available();
     if (const Refusal why = sel.backend->refusal(request, spec))
       throw Unsupported("backend", "backend " + sel.backend->name() + " (" + source +
@@ -102,6 +103,7 @@ Selection Registry::select(const BackendRequest& request,
   }
   sel.source = "auto";
   for (const auto& b : all()) {
+    b->validate_configuration();  // a configuration error raises: never a silent fall-through
     if (!b->exact()) {
       sel.skipped.push_back(b->name() + ": approximate; chosen only explicitly");
       continue;

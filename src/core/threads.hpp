@@ -1,17 +1,14 @@
 // The calling context's thread count, as the library uses it.
 #pragma once
 
-#include <omp.h>
-
-#include <algorithm>
-
 #include "dattn/threads.hpp"
 
 namespace dattn::detail {
 
-// omp_get_max_threads() of the calling thread, clamped to [1, kMaxThreads].
+// The calling context's thread count (dattn::default_threads(): omp_get_max_threads() within
+// [1, kMaxThreads], OMP_NUM_THREADS read by dattn where OpenMP's int wrapped it).
 inline int calling_threads() {
-  return std::clamp(omp_get_max_threads(), 1, kMaxThreads);
+  return default_threads();
 }
 
 }  // namespace dattn::detail

@@ -147,12 +147,17 @@ T as(const py::handle& v, const std::string& field, const char* what) {
   }
 }
 
+// An int (or an integer scalar such as numpy's: anything with __index__, not a bool) in int64.
+i64 int_value(const py::handle& v, const std::string& field) {
+  if (py::isinstance<py::bool_>(v) || !py::hasattr(v, "__index__"))
+    invalid(field, "expected an int, got " + std::string(py::repr(v)).substr(0, 80));
+  const py::object n = v.attr("__index__")();
+  return as<i64>(n, field, "an int within int64 [-2^63, 2^63 - 1]");
+}
+
 std::optional<i64> optional_int(const py::dict& d, const char* key, const std::string& field) {
   if (!d.contains(key) || d[key].is_none()) return std::nullopt;
-  const py::handle v = d[key];
-  if (py::isinstance<py::bool_>(v) || !py::isinstance<py::int_>(v))
-    invalid(field, "expected an int, got " + std::string(py::repr(v)));
-  return as<i64>(v, field, "an int");
+  return int_value(d[key], field);
 }
 
 // A value of the opaque per-backend slot; nullopt for a type no backend can read (ignored,
@@ -254,9 +259,7 @@ AttentionMetadata metadata_from(const py::handle& obj, Keep& keep) {
           (key == "cu_seqlens_q" ? e.cu_seqlens_q : e.cu_seqlens_k) = tensor_arg(v, field, keep);
       } else if (key == "max_seqlen_q" || key == "max_seqlen_k" || key == "valid_kv_length") {
         if (v.is_none()) continue;
-        if (py::isinstance<py::bool_>(v) || !py::isinstance<py::int_>(v))
-          invalid(field, "expected an int, got " + std::string(py::repr(v)));
-        const i64 n = v.cast<i64>();
+        const i64 n = int_value(v, field);
         (key == "max_seqlen_q"   ? e.max_seqlen_q
          : key == "max_seqlen_k" ? e.max_seqlen_k
                                  : e.valid_kv_length) = n;

@@ -102,7 +102,8 @@ json info_json(int threads, const PeakGflops& peak) {
                       {"amx_bf16", rate(peak.amx_bf16)},
                       {"amx_bf16_unavailable", why(peak.amx_bf16, peak.amx_bf16_unavailable)},
                       {"isa", peak.isa},
-                      {"threads", peak.threads}};
+                      {"threads", peak.threads},
+                      {"affinity_cpus", affinity_cpus()}};
   // FLASH's engines (what DATTN_ISA and its isa option accept), in ladder order, each with the
   // kind of peak `run` and `bench` measure its efficiency against (null: none, e.g. emulated).
   j["engines"] = json::array();
@@ -155,6 +156,10 @@ void print_text(std::ostream& os, const json& info) {
                << info["cpu"]["logical_cpus"].get<int>() << " logical CPUs)\n";
   label("features") << cell(info["cpu"]["features"]) << '\n';
   label("threads") << info["threads"].get<int>() << '\n';
+  label("peak timing") << info["peak_gflops"]["threads"].get<int>()
+                       << " thread(s) timed together over one interval, at most the "
+                       << info["peak_gflops"]["affinity_cpus"].get<int>()
+                       << " CPU(s) this process may run on\n";
   // One line per kind of peak: the rate (or "none" and why) and the engines held to it, e.g.
   //   peak GFLOP/s  204.1 f32 FMA (avx2+fma): engines portable, avx2, avx512
   //                 none bf16 dot (vdpbf16ps): this CPU lacks AVX512-BF16 (vdpbf16ps)
@@ -244,7 +249,7 @@ void add_info_options(CLI::App& command, InfoOptions& options) {
 
 int run_info(const InfoOptions& options) {
   if (options.threads > 0) omp_set_num_threads(options.threads);
-  const int threads = omp_get_max_threads();
+  const int threads = default_threads();
   const json info = info_json(threads, measure_peak_gflops(threads));
   if (options.json)
     std::cout << info.dump() << '\n';

@@ -46,8 +46,11 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
 
-  // OpenMP's default (OMP_NUM_THREADS) counts only up to the library's limit.
-  if (omp_get_max_threads() > dattn::kMaxThreads) omp_set_num_threads(dattn::kMaxThreads);
+  // OpenMP's default (OMP_NUM_THREADS) counts only up to the library's limit, and a value that
+  // OpenMP's int wrapped counts as that limit (dattn::default_threads()): every region of the
+  // CLI, those without a num_threads clause included, then runs within the one bound.
+  if (const int bound = dattn::default_threads(); bound != omp_get_max_threads())
+    omp_set_num_threads(bound);
 
   try {
     if (*info_command) return run_info(info);

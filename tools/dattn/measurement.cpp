@@ -423,7 +423,7 @@ RunReport measure(const Measurement& m) {
     if (m.progress) std::cerr << m.progress_prefix << message << std::endl;
   };
   if (m.threads > 0) omp_set_num_threads(m.threads);
-  const int threads = omp_get_max_threads();
+  const int threads = default_threads();
 
   AttentionConfig config = workload_attention_config(workload, m.dtype);
   config.backend = m.backend;

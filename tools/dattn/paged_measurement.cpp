@@ -74,7 +74,7 @@ RunReport measure_paged(const Measurement& m) {
           "--paged runs self-attention workloads without joint rows, masks or packing (" + w.name +
               " has some)");
   if (m.threads > 0) omp_set_num_threads(m.threads);
-  const int threads = omp_get_max_threads();
+  const int threads = default_threads();
   const i64 bs = m.page_block, pages_per_seq = (w.key_rows + bs - 1) / bs;
   PagePoolConfig pc;
   pc.num_blocks = w.batch * pages_per_seq;
@@ -138,7 +138,7 @@ RunReport measure_paged(const Measurement& m) {
 RunReport measure_prefix_reuse(const Measurement& m) {
   const Workload& w = m.workload;
   if (m.threads > 0) omp_set_num_threads(m.threads);
-  const int threads = omp_get_max_threads();
+  const int threads = default_threads();
   const i64 prefix = w.prefix_rows, target = w.query_rows - prefix, all = w.query_rows;
   const i64 bs = m.page_block > 0 ? m.page_block : 64;
   PagePoolConfig pc;

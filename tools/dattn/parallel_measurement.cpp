@@ -63,7 +63,7 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
     if (m.progress && rank == 0) std::cerr << m.progress_prefix << message << std::endl;
   };
   if (m.threads > 0) omp_set_num_threads(m.threads);
-  const int threads = omp_get_max_threads();
+  const int threads = default_threads();
   const QkvLayout layout = w.layout();
 
   AttentionConfig config = workload_attention_config(w, m.dtype);

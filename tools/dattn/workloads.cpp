@@ -6,6 +6,7 @@
 #include <random>
 
 #include "dattn/errors.hpp"
+#include "dattn/threads.hpp"
 
 namespace dattn::cli {
 
@@ -154,7 +155,7 @@ Tensor random_normal(std::initializer_list<i64> shape, DType dtype, std::uint64_
   const i64 n = t.numel();
   const i64 chunks = (n + kChunk - 1) / kChunk;
   void* data = t.data();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(dattn::default_threads())
   for (i64 c = 0; c < chunks; ++c) {
     std::mt19937_64 rng(mix_seed(seed ^ mix_seed(stream * 0x100000001b3ull + std::uint64_t(c))));
     std::normal_distribution<float> normal(0.0f, 1.0f);

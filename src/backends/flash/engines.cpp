@@ -68,23 +68,56 @@ std::span<const Engine> engines() {
   return kEngines;
 }
 
-const Engine& engine_named(std::string_view name, std::string_view field) {
+namespace {
+
+// `name` without surrounding whitespace (DATTN_ISA='amx\n' names amx).
+std::string_view trimmed(std::string_view name) {
+  const auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
+  while (!name.empty() && space(name.front())) name.remove_prefix(1);
+  while (!name.empty() && space(name.back())) name.remove_suffix(1);
+  return name;
+}
+
+// `name` as an error message quotes it: at most 64 characters, control characters escaped.
+std::string quoted(std::string_view name) {
+  std::string s = "'";
+  for (std::size_t i = 0; i < name.size() && i < 64; ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      s += char(c);
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      s += "\\x";
+      s += kHex[c >> 4];
+      s += kHex[c & 15];
+    }
+  }
+  s += "'";
+  if (name.size() > 64) s += " (" + std::to_string(name.size()) + " characters, cut)";
+  return s;
+}
+
+}  // namespace
+
+const Engine& engine_named(std::string_view given, std::string_view field) {
+  const std::string_view name = trimmed(given);
   for (const Engine& e : kEngines) {
     if (!names_equal(name, e.name)) continue;
     if (const auto why = e.unavailable())
-      throw NotAvailable(std::string(field), std::string(field) + " = " + std::string(name) +
+      throw NotAvailable(std::string(field), std::string(field) + " = " + std::string(e.name) +
                                                  ": FLASH engine " + std::string(e.name) +
                                                  " is not available: " + *why);
     return e;
   }
-  throw InvalidArgument(std::string(field), std::string(field) + " = '" + std::string(name) +
-                                                "' is not a FLASH engine; valid: " + valid_names());
+  throw InvalidArgument(std::string(field), std::string(field) + " = " + quoted(given) +
+                                                " is not a FLASH engine; valid: " + valid_names() +
+                                                " (case and surrounding whitespace ignored)");
 }
 
 const Engine* process_cap() {
   static const Engine* const cap = []() -> const Engine* {
     const char* env = std::getenv("DATTN_ISA");
-    if (env == nullptr || *env == '\0') return nullptr;
+    if (env == nullptr || trimmed(env).empty()) return nullptr;
     return &engine_named(env, "DATTN_ISA");
   }();
   return cap;

@@ -32,6 +32,7 @@
 #include "backends/flash/tile_plan.hpp"
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
+#include "core/parallel_fault.hpp"
 #include "core/threads.hpp"
 #include "core/workspace_pool.hpp"
 #include "dattn/errors.hpp"
@@ -713,25 +714,35 @@ class FlashImpl final : public Impl {
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
     const auto merges = static_cast<i64>(plan.merges.size());
     const TileKernels& kk = plan.kernels;
+    // A fault inside the region (a thread's buffers that cannot grow) is kept and rethrown
+    // after it; the rows computed so far stay written (docs/semantics.md, "Faults").
+    detail::ParallelFault fault;
 #pragma omp parallel num_threads(threads)
     {
-      const ThreadBuffers buffers = thread_buffers(
-          plan.scratch_floats, std::size_t(plan.block.heads * plan.block.rows_per_head));
-      if (kk.thread_begin != nullptr) kk.thread_begin();
+      ThreadBuffers buffers{};
+      fault.run([&] {
+        buffers = thread_buffers(plan.scratch_floats,
+                                 std::size_t(plan.block.heads * plan.block.rows_per_head));
+      });
+      const bool tiles = kk.thread_begin != nullptr && !fault.failed();
+      if (tiles) kk.thread_begin();
       for (const Wave& wave : plan.waves) {
 #pragma omp for schedule(dynamic, 4)
-        for (i64 t = wave.tile_begin; t < wave.tile_end; ++t) {
-          const auto& [g, tile] = plan.panel_tiles[std::size_t(t)];
-          worker.pack_tile(g, tile, buffers);
-        }
+        for (i64 t = wave.tile_begin; t < wave.tile_end; ++t)
+          fault.run([&] {
+            const auto& [g, tile] = plan.panel_tiles[std::size_t(t)];
+            worker.pack_tile(g, tile, buffers);
+          });
 #pragma omp for schedule(dynamic, 1)
         for (i64 n = wave.item_begin; n < wave.item_end; ++n)
-          worker.process(plan.items[std::size_t(n)], buffers);
+          fault.run([&] { worker.process(plan.items[std::size_t(n)], buffers); });
       }
-      if (kk.thread_end != nullptr) kk.thread_end();
+      if (tiles && kk.thread_end != nullptr) kk.thread_end();
 #pragma omp for schedule(dynamic, 1)
-      for (i64 g = 0; g < merges; ++g) worker.merge(plan.merges[std::size_t(g)], buffers.floats);
+      for (i64 g = 0; g < merges; ++g)
+        fault.run([&] { worker.merge(plan.merges[std::size_t(g)], buffers.floats); });
     }
+    fault.rethrow();
   }
 
   const Engine* cap_ = nullptr;  // nullptr: automatic
@@ -762,6 +773,7 @@ class FlashBackend final : public Backend {
            std::string(select_engine(process_cap(), DType::F32, ComputeDtype::f32).name) + ")";
   }
   int priority() const override { return 100; }
+  void validate_configuration() const override { (void)process_cap(); }
   void validate_available() const override { (void)process_cap(); }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<FlashImpl>(*this, config);

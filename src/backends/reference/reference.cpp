@@ -307,6 +307,13 @@ class ReferenceBackend final : public Backend {
   }
   int priority() const override { return 0; }  // automatic choice takes it last
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
+    // REFERENCE has no engines: it ignores DATTN_ISA, but an engine option given to it is an
+    // error rather than silently meaningless.
+    for (const char* key : {"isa", "compute_dtype"})
+      if (config.backend_kwargs.count(key) != 0)
+        throw InvalidArgument(key, std::string("backend option ") + key +
+                                       ": REFERENCE has no engines (it computes in f64); " + key +
+                                       " is an option of FLASH and VIDEO_SPARSE");
     return std::make_unique<ReferenceImpl>(*this, config);
   }
 };

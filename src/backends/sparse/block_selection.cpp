@@ -1,5 +1,7 @@
 // VIDEO_SPARSE options and block selection (docs/semantics.md, "Video token layout and
 // VIDEO_SPARSE"): sliding tile window, top-k by mean-pooled scores, explicit maps.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -212,10 +214,15 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
   // Each row's selection is independent: score them in parallel, then build the CSR.
   const i64 rows = p.batch * p.hq * nq, group = p.group_size();
   std::vector<std::int32_t> chosen(std::size_t(rows * k));
-#pragma omp parallel num_threads(std::max(p.threads, 1))
+  // Each thread's score and rank buffers, allocated before the region: no exception (a
+  // std::bad_alloc) may leave an OpenMP region.
+  const int threads = std::max(p.threads, 1);
+  std::vector<std::vector<float>> scores(std::size_t(threads), std::vector<float>(video.size()));
+  std::vector<std::vector<i64>> ranks(std::size_t(threads), std::vector<i64>(video.size()));
+#pragma omp parallel num_threads(threads)
   {
-    std::vector<float> score(video.size());
-    std::vector<i64> rank(video.size());
+    std::vector<float>& score = scores[std::size_t(omp_get_thread_num())];
+    std::vector<i64>& rank = ranks[std::size_t(omp_get_thread_num())];
 #pragma omp for schedule(static)
     for (i64 row = 0; row < rows; ++row) {
       const i64 b = row / (p.hq * nq), h = row / nq % p.hq, qb = row % nq;

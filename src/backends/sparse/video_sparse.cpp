@@ -28,6 +28,7 @@
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
+#include "core/parallel_fault.hpp"
 #include "core/workspace_pool.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/video_sparse.hpp"
@@ -449,18 +450,25 @@ class VideoSparseImpl final : public Impl {
         const std::vector<Item> items = items_for(call, b, hk);
         const auto count = static_cast<i64>(items.size());
         const auto nkb = static_cast<i64>(kblocks.size());
+        detail::ParallelFault fault;  // kept inside the region, rethrown after it
 #pragma omp parallel num_threads(plan.threads)
         {
 #pragma omp for schedule(dynamic, 4)
           for (i64 kb = 0; kb < nkb; ++kb)
-            call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
-          float* scratch = flash::thread_floats(plan.scratch_floats);
+            fault.run([&] {
+              call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
+            });
+          float* scratch = nullptr;
+          fault.run([&] { scratch = flash::thread_floats(plan.scratch_floats); });
           const TileKernels& kk = plan.kernels;
-          if (kk.thread_begin != nullptr) kk.thread_begin();
+          const bool tiles = kk.thread_begin != nullptr && !fault.failed();
+          if (tiles) kk.thread_begin();
 #pragma omp for schedule(dynamic, 1)
-          for (i64 n = 0; n < count; ++n) call.process(b, items[std::size_t(n)], scratch);
-          if (kk.thread_end != nullptr) kk.thread_end();
+          for (i64 n = 0; n < count; ++n)
+            fault.run([&] { call.process(b, items[std::size_t(n)], scratch); });
+          if (tiles && kk.thread_end != nullptr) kk.thread_end();
         }
+        fault.rethrow();
       }
     }
   }
@@ -542,6 +550,7 @@ class VideoSparseBackend final : public Backend {
            "explicit maps) on FLASH's kernels; approximate, chosen only explicitly";
   }
   int priority() const override { return 10; }
+  void validate_configuration() const override { (void)flash::process_cap(); }
   void validate_available() const override { (void)flash::process_cap(); }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<VideoSparseImpl>(*this, config);
