@@ -3,6 +3,9 @@
     [project.entry-points."vllm_omni.platform_plugins"]
     dattn = "dattn.vllm_omni_plugin:platform_plugin"
 
+    [project.entry-points."vllm_omni.general_plugins"]
+    dattn = "dattn.vllm_omni_plugin:general_plugin"
+
 vllm-omni calls every function of the group ``vllm_omni.platform_plugins`` when it first
 resolves ``vllm_omni.platforms.current_omni_platform``; a function returning a class path
 activates that out-of-tree platform, and an out-of-tree platform that activates wins over the
@@ -15,6 +18,14 @@ platform (:class:`dattn.vllm_omni_platform.DattnCpuOmniPlatform`) only where it 
   torch sees no CUDA/XPU device either. On a CUDA host it returns None: nothing changes there.
 - ``DATTN_VLLM_OMNI=1`` (``on``, ``true``, ``yes``): always (e.g. a CPU stage on a GPU host).
 - ``DATTN_VLLM_OMNI=0`` (``off``, ``false``, ``no``): never.
+
+:func:`general_plugin` (the group ``vllm_omni.general_plugins``, run in every engine process)
+applies the same rule and, where dattn's platform is active, adds the name ``DATTN`` to the
+engine's ``DiffusionAttentionBackendEnum`` (with ``aenum.extend_enum``, as vllm-omni's own
+``vllm_omni.patch`` extends vllm's enums), pointing at dattn's backend. The platform resolves
+``DATTN`` without the enum; the member is for the engine's code that indexes the enum by the
+configured name (the selector's ``get_attn_backend_for_capability``, used by sequence-parallel
+auto-padding), which would otherwise refuse ``DIFFUSION_ATTENTION_BACKEND=DATTN``.
 
 This module imports nothing of the engine's at import time (the engine loads every plugin of the
 group, on every host); the platform module is imported only when the engine resolves the
@@ -90,3 +101,25 @@ def platform_plugin() -> Optional[str]:
         logger.debug("dattn's CPU platform stays off: the engine's %s platform applies", found)
         return None
     return PLATFORM_QUALNAME
+
+
+#: The class path of dattn's backend (the value of the engine's enum member DATTN).
+BACKEND_QUALNAME = "dattn.vllm_omni.DattnAttentionBackend"
+
+
+def general_plugin() -> None:
+    """The engine's ``vllm_omni.general_plugins`` hook: where dattn's platform is active, the
+    member ``DATTN`` of ``DiffusionAttentionBackendEnum`` (dattn's backend's class path). Safe to
+    run several times (the engine's rule for general plugins); does nothing elsewhere, or when
+    the engine or aenum is not importable."""
+    if platform_plugin() is None:
+        return
+    try:
+        from aenum import extend_enum
+        from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
+    except ImportError as e:
+        logger.debug("dattn: DATTN not added to the engine's backend enum (%s)", e)
+        return
+    if "DATTN" in DiffusionAttentionBackendEnum.__members__:
+        return
+    extend_enum(DiffusionAttentionBackendEnum, "DATTN", BACKEND_QUALNAME)

@@ -38,6 +38,9 @@ STUBS = Path(__file__).resolve().parent / "stubs"
 ENTRY_POINTS = """\
 [vllm_omni.platform_plugins]
 dattn = dattn.vllm_omni_plugin:platform_plugin
+
+[vllm_omni.general_plugins]
+dattn = dattn.vllm_omni_plugin:general_plugin
 """
 
 
@@ -125,11 +128,13 @@ def resolve(ns):
 # --- platform resolution through the entry point ---------------------------------------------
 
 
-def test_the_engine_finds_dattns_entry_point(engine):
+def test_the_engine_finds_dattns_entry_points(engine):
     found = engine.plugins.load_omni_plugins_by_group(engine.plugins.OMNI_PLATFORM_PLUGINS_GROUP)
-    from dattn.vllm_omni_plugin import platform_plugin
+    from dattn.vllm_omni_plugin import general_plugin, platform_plugin
 
     assert found == {"dattn": platform_plugin}
+    found = engine.plugins.load_omni_plugins_by_group(engine.plugins.OMNI_DEFAULT_PLUGINS_GROUP)
+    assert found == {"dattn": general_plugin}
 
 
 def test_no_accelerator_resolves_dattns_platform(engine):
@@ -208,13 +213,33 @@ def test_selector_refuses_the_engines_gpu_backends(engine):
             "self", 128, attention_config=EnvAttentionConfig("TORCH_SDPA"))
 
 
-def test_the_engines_capability_probe_knows_only_its_enum(engine):
-    """A limitation of the engine, pinned: its capability probe for an explicit selection indexes
-    the closed DiffusionAttentionBackendEnum, so DATTN named explicitly fails there (the
-    platform default, DIFFUSION_ATTENTION_BACKEND unset, does not go through it)."""
+def test_the_general_plugin_names_dattn_in_the_engines_enum(engine):
+    """The engine's capability probe for an explicit selection indexes its closed
+    DiffusionAttentionBackendEnum: DATTN named explicitly fails there until the engine runs its
+    general plugins (as its workers do at start), dattn's among them."""
+    pytest.importorskip("aenum")  # a dependency of vllm-omni (installed here with --no-deps)
+    config = EnvAttentionConfig("DATTN")
     with pytest.raises(ValueError, match="Unknown diffusion attention backend: 'DATTN'"):
-        engine.selector.get_attn_backend_for_capability(
-            "self", attention_config=EnvAttentionConfig("DATTN"))
+        engine.selector.get_attn_backend_for_capability("self", attention_config=config)
+    engine.plugins.load_omni_general_plugins()
+    engine.plugins.load_omni_general_plugins()  # once per process; dattn's is idempotent too
+    from dattn.vllm_omni_plugin import general_plugin
+
+    general_plugin()
+    enum = engine.registry.DiffusionAttentionBackendEnum
+    assert enum["DATTN"].get_class() is engine.adapter.DattnAttentionBackend
+    probe = engine.selector.get_attn_backend_for_capability("self", attention_config=config)
+    assert probe is engine.adapter.DattnAttentionBackend
+    assert probe.supports_attention_mask()
+    assert enum["TORCH_SDPA"].get_path().endswith("sdpa.SDPABackend")  # the others unchanged
+
+
+def test_the_general_plugin_does_nothing_on_a_cuda_host(engine, monkeypatch):
+    pytest.importorskip("aenum")
+    monkeypatch.setattr(engine.nvml, "NVML_DEVICE_COUNT", 2)
+    members = list(engine.registry.DiffusionAttentionBackendEnum.__members__)
+    engine.plugins.load_omni_general_plugins()
+    assert list(engine.registry.DiffusionAttentionBackendEnum.__members__) == members
 
 
 def test_backend_declares_the_engines_platform_value(engine):
@@ -254,3 +279,25 @@ def test_forward_through_the_engines_impl_equals_reference(engine, monkeypatch):
     # Why dattn overrides forward: the engine's own dispatch knows no out-of-tree platform.
     with pytest.raises(NotImplementedError, match="No forward implementation for platform"):
         engine.abstract.AttentionImpl.forward(impl, q, k, v, meta)
+
+
+def test_the_engines_layer_builds_impls_with_these_arguments():
+    """vllm_omni.diffusion.attention.layer (the engine's Attention module) cannot be imported
+    over the stand-in vllm (its imports reach vllm's LoRA, quantization, distributed and v1 KV
+    modules, transformers and pydantic). Its source is read instead: the keyword arguments it
+    builds the implementation with are those the forward test above passes."""
+    import ast
+
+    version, spec = _engine_spec()
+    if spec is None or version != PINNED:
+        pytest.skip(f"vllm-omni {PINNED} is not installed")
+    path = Path(spec.origin).parent / "diffusion" / "attention" / "layer.py"
+    calls = [
+        node for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "attn_impl_cls"
+    ]
+    assert len(calls) == 1, "the engine builds its AttentionImpl elsewhere now: re-check"
+    keywords = {k.arg for k in calls[0].keywords}
+    assert keywords == {"num_heads", "head_size", "softmax_scale", "causal", "num_kv_heads",
+                        "qkv_layout", "prefix", "backend_kwargs", "role", "backend_explicit"}
