@@ -37,7 +37,9 @@ def build(args, dtype):
         attention_head_dim=args.head_dim, num_attention_heads=args.heads,
         joint_attention_dim=args.text_dim, pooled_projection_dim=768, guidance_embeds=True,
         axes_dims_rope=_rope_axes(args.head_dim),
-    ).to(dtype).eval()
+    ).eval()
+    if dtype != torch.float32:
+        model = model.to(dtype)
     side = int(round(args.image_tokens ** 0.5))
     h, w = side, args.image_tokens // side
     ys, xs = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
@@ -125,6 +127,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         (t_ref, a_ref, n_ref), ref = forward(model, inputs, args.reps)
         with dattn.diffusers.enable(model, backend=args.backend) as handle:
             (t_dattn, a_dattn, n_dattn), out = forward(model, inputs, args.reps)
+            engines = sorted({layer.last_engine for layer in handle._layers.values()} - {""})
         assert n_ref == n_dattn == args.double + args.single
         assert handle.calls == args.reps * n_ref and not handle.fallbacks, handle
         diff = float((out.double() - ref.double()).abs().max())
@@ -132,12 +135,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         results[name] = dict(
             forward_default_s=t_ref, forward_dattn_s=t_dattn, attention_default_s=a_ref,
             attention_dattn_s=a_dattn, attention_calls=n_ref, max_abs_diff=diff, rel_diff=rel,
-            backend=handle.backend_name,
+            backend=handle.backend_name, engines=engines,
         )
         print(f"{name:5s} attention ({n_ref} calls): default {a_ref:8.3f} s  dattn {a_dattn:8.3f} s"
               f"  ({a_ref / a_dattn:5.2f}x)   forward: default {t_ref:8.3f} s  dattn "
               f"{t_dattn:8.3f} s  ({t_ref / t_dattn:5.2f}x)   max |diff| {diff:.2e}, "
-              f"rel {rel:.2e}  [{handle.backend_name}]")
+              f"rel {rel:.2e}  [{handle.backend_name}: {', '.join(engines) or '-'}]")
         del model, ref, out
     return results
 

@@ -279,10 +279,9 @@ def _attention_modules(model) -> List[Tuple[str, Any]]:
     """The model's attention modules: submodules with a diffusers ``processor``."""
     found = []
     for name, module in model.named_modules():
-        if "processor" in type(module).__dict__ or hasattr(module, "processor"):
-            proc = getattr(module, "processor", None)
-            if proc is not None and callable(proc):
-                found.append((name, module))
+        proc = getattr(module, "processor", None)
+        if proc is not None and callable(proc):
+            found.append((name, module))
     return found
 
 

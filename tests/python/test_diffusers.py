@@ -282,6 +282,26 @@ def test_two_models_one_disabled():
     assert torch.equal(run(b, ib), want_b)
 
 
+def test_two_models_sharing_pytorchs_sdpa():
+    """SD3 and HunyuanVideo's refiner both go through F.scaled_dot_product_attention: disabling
+    one leaves the other served, disabling both restores PyTorch's function."""
+    original = F.scaled_dot_product_attention
+    a, ia = sd3()
+    b, ib = hunyuan_video()
+    want_a, want_b = run(a, ia), run(b, ib)
+    ha, hb = dd.enable(a), dd.enable(b)
+    hb.disable()
+    assert F.scaled_dot_product_attention is not original
+    assert torch.equal(run(b, ib), want_b) and hb.calls == 0
+    assert rel(run(a, ia), want_a) <= 1e-4 and ha.calls == 3
+    hb = dd.enable(b)
+    ha.disable()
+    assert rel(run(b, ib), want_b) <= 1e-4 and hb.calls == 3
+    assert torch.equal(run(a, ia), want_a)
+    hb.disable()
+    assert F.scaled_dot_product_attention is original
+
+
 def test_other_models_and_mha_keep_pytorch():
     model, inputs = flux()
     other, other_inputs = wan()  # not enabled; same dispatcher module? no: its own
