@@ -363,6 +363,16 @@ class DiffusersHandle:
                     if routes:
                         self._wrap_forward(module)
                         self.modules.append(name)
+                if not self.modules:
+                    kinds = sorted({type(m.processor).__name__ for _, m in modules})
+                    raise _with_field(
+                        Unsupported,
+                        f"model: none of the {len(modules)} attention modules of "
+                        f"{type(self.model).__name__} has a processor that calls "
+                        f"dispatch_attention_fn or F.scaled_dot_product_attention "
+                        f"(processors: {', '.join(kinds)}); dattn cannot serve this model",
+                        "model",
+                    )
                 _Handles.by_model[id(self.model)] = self
                 self.active = True
             except BaseException:

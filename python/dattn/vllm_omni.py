@@ -8,7 +8,8 @@ they stand alone on local bases with the same methods and use ``dattn.AttentionM
 (``ENGINE_AVAILABLE`` says which). Reload this module after making the engine importable.
 
 The capability flags are read from dattn's FLASH backend (``dattn.get_backend("FLASH")``), the
-backend a layer gets unless ``backend_kwargs["backend"]`` picks another. The engine's
+backend a layer gets unless ``backend_kwargs["backend"]`` picks another; ``supported_platforms``
+adds the engine's out-of-tree platform value ``"oot"`` to FLASH's ``"cpu"``. The engine's
 metadata objects are read field by field, ``extra`` included (``cu_seqlens_q/k``,
 ``max_seqlen_q/k``, ``valid_kv_length``, ``kv_cache_dtype``, ``laser_input_scale``; unknown
 keys are ignored).
@@ -17,7 +18,10 @@ CPU tensors are computed by dattn whatever the engine's current platform is; oth
 to the base class's platform dispatch (``forward_cuda`` etc.), which this class does not
 implement, so they are refused with :class:`dattn.Unsupported` naming the tensor's device.
 
-To make the engine use it, point its backend selection at the class path
+The engine picks it through dattn's plugins (entry points ``vllm_omni.platform_plugins`` and
+``vllm_omni.general_plugins``, :mod:`dattn.vllm_omni_plugin`): on a machine without an
+accelerator, or with ``DATTN_VLLM_OMNI=1``, dattn's CPU platform
+(:mod:`dattn.vllm_omni_platform`) resolves the diffusion attention to
 ``"dattn.vllm_omni.DattnAttentionBackend"`` (see docs/python.md).
 """
 

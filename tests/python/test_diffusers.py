@@ -436,6 +436,27 @@ def test_enable_refuses_what_it_cannot_take():
     assert snapshot(model) == before
 
 
+def test_a_model_whose_processors_call_neither_function_is_refused():
+    class MathProcessor:
+        def __call__(self, attn, x):
+            s = torch.softmax(x @ x.transpose(-1, -2), dim=-1)
+            return s @ x
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.processor = MathProcessor()
+
+        def forward(self, x):
+            return self.processor(self, x)
+
+    model = torch.nn.Sequential(Block(), Block())
+    with pytest.raises(dattn.Unsupported, match="MathProcessor") as e:
+        dd.enable(model)
+    assert e.value.field == "model" and dd.handle_of(model) is None
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
 def test_backend_choice_and_the_engines_variable(monkeypatch):
     model, inputs = flux()
     want = run(model, inputs)
