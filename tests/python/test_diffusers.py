@@ -88,6 +88,25 @@ def wan(seed=0):
     return model, inputs
 
 
+def wan_i2v(seed=0):
+    """Wan image-to-video: the cross-attention also attends the image tokens (its second
+    dispatcher call, counted separately): 1 block, 8 image tokens."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=32,
+        image_dim=16, added_kv_proj_dim=128,
+    ).eval()
+    inputs = dict(
+        hidden_states=_randn(1, 4, 2, 8, 8, seed=1), timestep=torch.tensor([500]),
+        encoder_hidden_states=_randn(1, 12, 32, seed=2),
+        encoder_hidden_states_image=_randn(1, 8, 16, seed=3),
+    )
+    return model, inputs
+
+
 def qwen(seed=0, padded=False):
     """Qwen-Image: 2 double-stream blocks, 2 heads of 64, an 8x8 token grid, 10 text tokens
     (the last 3 masked out with ``padded``)."""
@@ -131,7 +150,8 @@ def hunyuan_video(seed=0):
     return model, inputs
 
 
-MODELS = {"flux": flux, "sd3": sd3, "wan": wan, "qwen": qwen, "hunyuan_video": hunyuan_video}
+MODELS = {"flux": flux, "sd3": sd3, "wan": wan, "wan_i2v": wan_i2v, "qwen": qwen,
+          "hunyuan_video": hunyuan_video}
 
 
 def to_dtype(inputs, dtype):
@@ -230,9 +250,10 @@ def test_model_runs_on_dattn(name, dtype, tol):
 
 def test_counts_per_model():
     """The counts of these configs, by hand: Flux 1 double + 1 single block = 2; SD3 2 joint
-    blocks + 1 dual attention = 3; Wan 2 blocks x (self + cross) = 4; Qwen 2 double blocks = 2;
-    HunyuanVideo 1 refiner + 1 double + 1 single = 3."""
-    want = {"flux": 2, "sd3": 3, "wan": 4, "qwen": 2, "hunyuan_video": 3}
+    blocks + 1 dual attention = 3; Wan 2 blocks x (self + cross) = 4; Wan I2V 1 block x (self +
+    cross text + cross image) = 3; Qwen 2 double blocks = 2; HunyuanVideo 1 refiner + 1 double
+    + 1 single = 3."""
+    want = {"flux": 2, "sd3": 3, "wan": 4, "wan_i2v": 3, "qwen": 2, "hunyuan_video": 3}
     for name, build in MODELS.items():
         model, inputs = build()
         with dd.enable(model) as handle:
@@ -250,7 +271,7 @@ def test_routes_name_the_mechanism():
         assert refiner and all(h.routes[n] == ("scaled_dot_product_attention",) for n in refiner)
         others = [n for n in h.routes if n not in refiner]
         assert others and all(h.routes[n] == ("dispatch_attention_fn",) for n in others)
-    for build in (flux, wan, qwen):
+    for build in (flux, wan, wan_i2v, qwen):
         model, _ = build()
         with dd.enable(model) as h:
             assert set(h.routes.values()) == {("dispatch_attention_fn",)}
