@@ -277,6 +277,28 @@ def test_routes_name_the_mechanism():
             assert set(h.routes.values()) == {("dispatch_attention_fn",)}
 
 
+def test_a_diffusers_backend_setting_is_kept(recwarn):
+    """A model set to one of diffusers' backends (per module, and the process-wide context
+    manager): dattn serves it while enabled; the settings are untouched and work afterwards."""
+    model, inputs = flux()
+    want = run(model, inputs)
+    model.set_attention_backend("_native_math")
+    before = snapshot(model)
+    assert {p._attention_backend for p in (m.processor for m in model.modules()
+                                           if hasattr(m, "processor"))} == {"_native_math"}
+    with attention_dispatch.attention_backend("_native_math"):
+        with dd.enable(model) as handle:
+            got = run(model, inputs)
+        assert snapshot(model) == before
+        assert handle.calls == 2 and rel(got, want) <= 1e-4
+        with sdpa_spy() as spy:
+            assert rel(run(model, inputs), want) <= 1e-5
+        assert spy["calls"] == 2  # diffusers' math backend ends in PyTorch's SDPA again
+    with torch.inference_mode(), dd.enable(model) as handle:  # inference tensors too
+        assert rel(model(**inputs, return_dict=False)[0], want) <= 1e-4
+    assert handle.calls == 2
+
+
 def test_qwen_text_padding_mask():
     model, inputs = qwen(padded=True)
     want = run(model, inputs)
