@@ -125,7 +125,8 @@ def adapter_backend(requested: Optional[str] = None):
     ``DIFFUSION_ATTENTION_BACKEND`` meant for another library never breaks the layer.
 
     - ``requested`` (a dattn backend name): that backend, no fallback (an unknown name raises
-      :class:`dattn.InvalidArgument` listing the valid ones);
+      :class:`dattn.InvalidArgument` listing the valid ones); ``auto`` and ``DATTN`` count as
+      no request;
     - else ``DIFFUSION_ATTENTION_BACKEND`` if it names a dattn backend (e.g. ``REFERENCE``):
       that backend, no fallback, as the core treats the variable;
     - else (unset, ``auto``, or a name of the engine's or of diffusers' such as ``DATTN``,
@@ -134,6 +135,8 @@ def adapter_backend(requested: Optional[str] = None):
       best exact backend that can, as an automatic choice does)."""
     import os
 
+    if requested and requested.strip().upper() in ("AUTO", "DATTN"):
+        requested = None  # "choose": as if none was given
     if requested:
         name = _dattn_backend_name(requested)
         if name is None:

@@ -277,9 +277,12 @@ def test_routes_name_the_mechanism():
             assert set(h.routes.values()) == {("dispatch_attention_fn",)}
 
 
-def test_a_diffusers_backend_setting_is_kept(recwarn):
+def test_a_diffusers_backend_setting_is_kept(recwarn, monkeypatch):
     """A model set to one of diffusers' backends (per module, and the process-wide context
     manager): dattn serves it while enabled; the settings are untouched and work afterwards."""
+    registry = attention_dispatch._AttentionBackendRegistry
+    # diffusers' set_attention_backend also sets the process-wide backend: put it back after.
+    monkeypatch.setattr(registry, "_active_backend", registry._active_backend)
     model, inputs = flux()
     want = run(model, inputs)
     model.set_attention_backend("_native_math")
@@ -506,6 +509,9 @@ def test_backend_choice_and_the_engines_variable(monkeypatch):
     with dd.enable(model, backend="REFERENCE") as h:
         assert h.backend_name == "REFERENCE"
         assert rel(run(model, inputs), want) <= 1e-4
+    for value in ("auto", "DATTN"):
+        with dd.enable(model, backend=value) as h:
+            assert h.backend_name == "FLASH"
     for value in ("DATTN", "TORCH_SDPA", "FLASH_ATTN", "auto"):  # the engine's / another's names
         monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", value)
         with dd.enable(model) as h:
