@@ -301,3 +301,45 @@ def test_the_engines_layer_builds_impls_with_these_arguments():
     keywords = {k.arg for k in calls[0].keywords}
     assert keywords == {"num_heads", "head_size", "softmax_scale", "causal", "num_kv_heads",
                         "qkv_layout", "prefix", "backend_kwargs", "role", "backend_explicit"}
+
+
+def test_the_plugins_without_the_engine(monkeypatch):
+    """The entry points load and run where vllm-omni is not importable (the engine is absent
+    or broken): the platform hook answers from torch's view alone, the general hook does
+    nothing."""
+    from dattn import vllm_omni_plugin as plugin
+
+    monkeypatch.delenv("DATTN_VLLM_OMNI", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm_omni", None)  # `import vllm_omni...` raises
+    assert plugin.accelerator_present() is None  # a CPU torch
+    assert plugin.platform_plugin() == plugin.PLATFORM_QUALNAME
+    assert plugin.general_plugin() is None
+    monkeypatch.setenv("DATTN_VLLM_OMNI", "off")
+    assert plugin.platform_plugin() is None
+    monkeypatch.setenv("DATTN_VLLM_OMNI", "maybe")  # unknown: auto, with a warning
+    assert plugin.mode() == "auto"
+
+
+def test_entry_points_file_matches_the_tests_and_pyproject():
+    """python/ENTRY_POINTS.txt (the lines for pyproject.toml) declares what these tests
+    register; pyproject.toml, where present, declares the same."""
+    import configparser
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "python" / "ENTRY_POINTS.txt").read_text()
+    declared = tomllib.loads(text)["project"]["entry-points"]
+    registered = configparser.ConfigParser()
+    registered.read_string(ENTRY_POINTS)
+    assert declared == {g: dict(registered[g]) for g in registered.sections()}
+    for group, points in declared.items():
+        for target in points.values():
+            module, _, func = target.partition(":")
+            assert callable(getattr(importlib.import_module(module), func)), target
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        for group, points in declared.items():
+            assert project.get("entry-points", {}).get(group) == points, (
+                f"pyproject.toml lacks [project.entry-points.\"{group}\"] {points} "
+                f"(python/ENTRY_POINTS.txt)")
