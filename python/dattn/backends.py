@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 from . import _core
@@ -109,13 +110,33 @@ def measure_peak_gflops(threads: int = 0, seconds: float = 0.2) -> dict:
     return dict(_core.measure_peak_gflops(threads, seconds))
 
 
+_TABLE = None
+
+
+def _backend_table():
+    """(dattn's backend names, the automatic choice's name), computed once per process: the
+    registry and the machine do not change while it runs."""
+    global _TABLE
+    if _TABLE is None:
+        all_ = backends()  # highest priority first
+        auto = next(
+            (b.name for b in all_
+             if b.exact and b.available
+             and (b.supported_platforms is None or "cpu" in b.supported_platforms)),
+            "REFERENCE",
+        )
+        _TABLE = (tuple(b.name for b in all_), auto)
+    return _TABLE
+
+
 def _dattn_backend_name(name: Optional[str]) -> Optional[str]:
     """dattn's spelling of backend ``name`` if it names one of dattn's backends, else None."""
     if not name:
         return None
-    for b in backends():
-        if b.name.lower() == name.strip().lower():
-            return b.name
+    wanted = name.strip().lower()
+    for known in _backend_table()[0]:
+        if known.lower() == wanted:
+            return known
     return None
 
 
@@ -133,8 +154,6 @@ def adapter_backend(requested: Optional[str] = None):
       ``TORCH_SDPA`` or ``FLASH_ATTN``): the automatic choice, the highest-priority exact
       backend available here, with ``allow_fallback=True`` (a call it cannot serve runs on the
       best exact backend that can, as an automatic choice does)."""
-    import os
-
     if requested and requested.strip().upper() in ("AUTO", "DATTN"):
         requested = None  # "choose": as if none was given
     if requested:
@@ -145,7 +164,4 @@ def adapter_backend(requested: Optional[str] = None):
     env = _dattn_backend_name(os.environ.get("DIFFUSION_ATTENTION_BACKEND"))
     if env is not None:
         return env, False
-    for b in backends():  # highest priority first
-        if b.exact and b.available and (b.supported_platforms is None or "cpu" in b.supported_platforms):
-            return b.name, True
-    return "REFERENCE", True
+    return _backend_table()[1], True

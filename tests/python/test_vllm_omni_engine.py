@@ -343,3 +343,28 @@ def test_entry_points_file_matches_the_tests_and_pyproject():
             assert project.get("entry-points", {}).get(group) == points, (
                 f"pyproject.toml lacks [project.entry-points.\"{group}\"] {points} "
                 f"(python/ENTRY_POINTS.txt)")
+
+
+@pytest.mark.parametrize("value", ["DATTN", "TORCH_SDPA", "FLASH_ATTN", "auto", "reference"])
+def test_the_engines_variable_never_breaks_dattns_layers(monkeypatch, value):
+    """DIFFUSION_ATTENTION_BACKEND set for the engine: dattn's registry raises on names it does
+    not know (a plain dattn.Attention), but the layers dattn's adapters build (the engine
+    backend's impl, the SDPA drop-in and its patch) take dattn's choice explicitly."""
+    monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", value)
+    monkeypatch.setattr(dattn.sdpa, "_LAYERS", {})  # layers are cached with their backend
+    want_backend = "REFERENCE" if value == "reference" else "FLASH"
+    ours = value.lower() in ("auto", "reference")
+    if not ours:
+        with pytest.raises(dattn.InvalidArgument, match="unknown attention backend"):
+            dattn.Attention(2, 16)
+    q, k, v = rand(1, 2, 24, 16, seed=1), rand(1, 2, 24, 16, seed=2), rand(1, 2, 24, 16, seed=3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert_close(dattn.scaled_dot_product_attention(q, k, v).transpose(1, 2),
+                 want.transpose(1, 2).double())
+    with dattn.patch_torch_sdpa():
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert_close(got.transpose(1, 2), want.transpose(1, 2).double())
+    impl = dattn.vllm_omni.DattnAttentionImpl(2, 16, None)
+    assert impl.backend_name == want_backend
+    bshd = [t.transpose(1, 2) for t in (q, k, v)]
+    assert_close(impl.forward(*bshd), want.transpose(1, 2).double())
