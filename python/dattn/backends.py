@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 from . import _core
@@ -107,3 +108,60 @@ def measure_peak_gflops(threads: int = 0, seconds: float = 0.2) -> dict:
     ``threads`` that ran, the f32 ``isa``, and ``bf16_dot_unavailable`` /
     ``amx_bf16_unavailable``: why that peak is None (None when it was measured)."""
     return dict(_core.measure_peak_gflops(threads, seconds))
+
+
+_TABLE = None
+
+
+def _backend_table():
+    """(dattn's backend names, the automatic choice's name), computed once per process: the
+    registry and the machine do not change while it runs."""
+    global _TABLE
+    if _TABLE is None:
+        all_ = backends()  # highest priority first
+        auto = next(
+            (b.name for b in all_
+             if b.exact and b.available
+             and (b.supported_platforms is None or "cpu" in b.supported_platforms)),
+            "REFERENCE",
+        )
+        _TABLE = (tuple(b.name for b in all_), auto)
+    return _TABLE
+
+
+def _dattn_backend_name(name: Optional[str]) -> Optional[str]:
+    """dattn's spelling of backend ``name`` if it names one of dattn's backends, else None."""
+    if not name:
+        return None
+    wanted = name.strip().lower()
+    for known in _backend_table()[0]:
+        if known.lower() == wanted:
+            return known
+    return None
+
+
+def adapter_backend(requested: Optional[str] = None):
+    """The dattn backend name and ``allow_fallback`` for a layer an adapter builds (the vllm-omni
+    backend, dattn.diffusers), passed to the core explicitly so that a value of
+    ``DIFFUSION_ATTENTION_BACKEND`` meant for another library never breaks the layer.
+
+    - ``requested`` (a dattn backend name): that backend, no fallback (an unknown name raises
+      :class:`dattn.InvalidArgument` listing the valid ones); ``auto`` and ``DATTN`` count as
+      no request;
+    - else ``DIFFUSION_ATTENTION_BACKEND`` if it names a dattn backend (e.g. ``REFERENCE``):
+      that backend, no fallback, as the core treats the variable;
+    - else (unset, ``auto``, or a name of the engine's or of diffusers' such as ``DATTN``,
+      ``TORCH_SDPA`` or ``FLASH_ATTN``): the automatic choice, the highest-priority exact
+      backend available here, with ``allow_fallback=True`` (a call it cannot serve runs on the
+      best exact backend that can, as an automatic choice does)."""
+    if requested and requested.strip().upper() in ("AUTO", "DATTN"):
+        requested = None  # "choose": as if none was given
+    if requested:
+        name = _dattn_backend_name(requested)
+        if name is None:
+            get_backend(requested)  # raises, naming the valid backends
+        return name, False
+    env = _dattn_backend_name(os.environ.get("DIFFUSION_ATTENTION_BACKEND"))
+    if env is not None:
+        return env, False
+    return _backend_table()[1], True

@@ -28,6 +28,7 @@ import itertools
 from typing import Callable, Dict, Optional, Tuple
 
 from .attention import Attention
+from .backends import adapter_backend
 from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field, as_float
 from .metadata import AttentionMetadata
 
@@ -57,6 +58,9 @@ def _layer(heads: int, kv_heads: int, head_size: int, causal: bool, scale) -> At
     key = (heads, kv_heads, head_size, causal, scale)
     layer = _LAYERS.get(key)
     if layer is None:
+        # The backend is passed explicitly (adapter_backend): a DIFFUSION_ATTENTION_BACKEND
+        # meant for the vllm-omni engine (DATTN, TORCH_SDPA, ...) never reaches the registry.
+        backend, _ = adapter_backend()
         if len(_LAYERS) >= _MAX_LAYERS:  # a bounded cache: drop the oldest entry
             _LAYERS.pop(next(iter(_LAYERS)))
         # allow_fallback: if DIFFUSION_ATTENTION_BACKEND names a backend that cannot serve a
@@ -69,6 +73,7 @@ def _layer(heads: int, kv_heads: int, head_size: int, causal: bool, scale) -> At
             num_kv_heads=kv_heads,
             qkv_layout="BHSD",
             prefix="dattn.scaled_dot_product_attention",
+            backend=backend,
             allow_fallback=True,
         )
         _LAYERS[key] = layer

@@ -8,7 +8,8 @@ they stand alone on local bases with the same methods and use ``dattn.AttentionM
 (``ENGINE_AVAILABLE`` says which). Reload this module after making the engine importable.
 
 The capability flags are read from dattn's FLASH backend (``dattn.get_backend("FLASH")``), the
-backend a layer gets unless ``backend_kwargs["backend"]`` picks another. The engine's
+backend a layer gets unless ``backend_kwargs["backend"]`` picks another; ``supported_platforms``
+adds the engine's out-of-tree platform value ``"oot"`` to FLASH's ``"cpu"``. The engine's
 metadata objects are read field by field, ``extra`` included (``cu_seqlens_q/k``,
 ``max_seqlen_q/k``, ``valid_kv_length``, ``kv_cache_dtype``, ``laser_input_scale``; unknown
 keys are ignored).
@@ -17,7 +18,10 @@ CPU tensors are computed by dattn whatever the engine's current platform is; oth
 to the base class's platform dispatch (``forward_cuda`` etc.), which this class does not
 implement, so they are refused with :class:`dattn.Unsupported` naming the tensor's device.
 
-To make the engine use it, point its backend selection at the class path
+The engine picks it through dattn's plugins (entry points ``vllm_omni.platform_plugins`` and
+``vllm_omni.general_plugins``, :mod:`dattn.vllm_omni_plugin`): on a machine without an
+accelerator, or with ``DATTN_VLLM_OMNI=1``, dattn's CPU platform
+(:mod:`dattn.vllm_omni_platform`) resolves the diffusion attention to
 ``"dattn.vllm_omni.DattnAttentionBackend"`` (see docs/python.md).
 """
 
@@ -27,7 +31,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Dict, Optional, Set
 
 from .attention import Attention, PagedCall
-from .backends import get_backend
+from .backends import adapter_backend, get_backend
 from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field
 from .metadata import AttentionMetadata as _DattnMetadata
 
@@ -170,9 +174,13 @@ class DattnAttentionImpl(_ImplBase):
     """One attention layer of the engine, computed by a :class:`dattn.Attention`.
 
     ``backend_kwargs`` are dattn's backend options; the key ``"backend"`` picks the dattn
-    backend (e.g. ``"REFERENCE"``; default: ``DIFFUSION_ATTENTION_BACKEND``, else automatic,
-    i.e. FLASH). ``extra_impl_args`` may carry ``kv_cache_dtype`` (``"fp8"``/``"int8"``);
-    other extra arguments of the engine are kept in ``self.extra_impl_args`` and ignored.
+    backend (e.g. ``"REFERENCE"``). Without it: ``DIFFUSION_ATTENTION_BACKEND`` if it names one
+    of dattn's backends, else (unset, ``auto``, or the engine's names such as ``DATTN``) the
+    automatic choice, FLASH; the name is passed to dattn's core explicitly, so the engine's
+    value of that variable never reaches dattn's registry (see
+    :func:`dattn.backends.adapter_backend`). ``extra_impl_args`` may carry ``kv_cache_dtype``
+    (``"fp8"``/``"int8"``); other extra arguments of the engine (``role``,
+    ``backend_explicit``, ...) are kept in ``self.extra_impl_args`` and ignored.
     """
 
     _supported_kv_cache_dtypes: Dict[str, Set[str]] = {
@@ -192,7 +200,7 @@ class DattnAttentionImpl(_ImplBase):
         **extra_impl_args,
     ) -> None:
         options = dict(backend_kwargs or {})
-        backend = options.pop("backend", None)
+        backend, allow_fallback = adapter_backend(options.pop("backend", None))
         self.num_heads = num_heads
         self.head_size = head_size
         self.causal = bool(causal)
@@ -210,6 +218,7 @@ class DattnAttentionImpl(_ImplBase):
             backend=backend,
             backend_kwargs=options,
             kv_cache_dtype=extra_impl_args.get("kv_cache_dtype"),
+            allow_fallback=allow_fallback,
         )
         self.num_kv_heads = self.layer.num_kv_heads
         self.softmax_scale = self.layer.softmax_scale
@@ -274,7 +283,10 @@ class DattnAttentionBackend(_BackendBase):
     supports_piecewise_spans: bool = _FLASH.supports_piecewise_spans
     supports_paged_kv: bool = _FLASH.supports_paged_kv
     supports_prefix_kv_slicing: bool = _FLASH.supports_prefix_kv_slicing
-    supported_platforms = tuple(_FLASH.supported_platforms or ()) or None
+    # dattn's own platform key ("cpu") and the engine's value for an out-of-tree platform
+    # ("oot", OmniPlatformEnum.OOT), which the engine's validation compares.
+    supported_platforms = (tuple(_FLASH.supported_platforms) + ("oot",)
+                           if _FLASH.supported_platforms else None)
 
     @classmethod
     def supports_packed_mask_free(cls) -> bool:

@@ -41,3 +41,16 @@ def test_flux_block(extra, tolerance, keep_torch_threads, capsys):
         assert results[f"{way}_attention_s"] > 0 and results[f"{way}_block_s"] > 0
     assert results["backend"] == ("REFERENCE" if "--backend" in extra else "FLASH")
     assert "max |diff| vs torch" in capsys.readouterr().out
+
+
+def test_diffusers_flux(keep_torch_threads, capsys):
+    pytest.importorskip("diffusers")
+    tiny = ["--image-tokens", "64", "--text-tokens", "16", "--heads", "2", "--head-dim", "64",
+            "--double", "1", "--single", "1", "--text-dim", "32", "--reps", "1", "--threads", "1"]
+    results = load("diffusers_flux").main(tiny)
+    assert results["f32"]["rel_diff"] <= 1e-4 and results["bf16"]["rel_diff"] <= 3e-2
+    for dtype in ("f32", "bf16"):
+        r = results[dtype]
+        assert r["attention_calls"] == 2 and r["backend"] == "FLASH"
+        assert r["forward_default_s"] > 0 and r["attention_dattn_s"] > 0
+    assert "attention (2 calls)" in capsys.readouterr().out

@@ -135,7 +135,8 @@ def test_flags_are_dattns_flash_data(engine):
     for flag in ("accept_output_buffer", "supports_piecewise_spans", "supports_paged_kv",
                  "supports_prefix_kv_slicing"):
         assert getattr(b, flag) == getattr(flash, flag), flag
-    assert b.supported_platforms == tuple(flash.supported_platforms) == ("cpu",)
+    assert tuple(flash.supported_platforms) == ("cpu",)
+    assert b.supported_platforms == ("cpu", "oot")  # and the engine's out-of-tree value
     assert b.supports_packed_mask_free() == flash.supports_packed_mask_free()
     assert b.supports_multi_doc_packed_varlen() == flash.supports_multi_doc_packed_varlen()
     assert b.supports_attention_mask() == flash.supports_attention_mask()

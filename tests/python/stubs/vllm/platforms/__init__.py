@@ -1,0 +1,1 @@
+from vllm.platforms.interface import Platform, PlatformEnum  # noqa: F401
