@@ -30,7 +30,7 @@ REQUIREMENTS := requirements.txt
 VENV_STAMP := $(VENV)/.dattn-requirements.sha256
 WHEEL_DIR := build/dist
 
-.PHONY: deps venv wheel configure build run test asan fuzz format format-check install install-check clean
+.PHONY: deps venv wheel configure build run test asan fuzz format format-check install install-check clean distclean
 
 deps:
 	@missing=""; \
@@ -82,8 +82,8 @@ wheel: build
 	  -C build-dir=build/wheel/prebuilt -C cmake.define.DATTN_PREBUILT_DIR=$(CURDIR)/build/release
 	$(PY) -m pip install -q --no-deps --force-reinstall $(WHEEL_DIR)/dattn-*.whl
 
-# CTest, then the Python suite: pytest in .venv on the installed wheel (run outside the source
-# tree, so that nothing imports dattn from it). The sanitizer build has no Python module (a
+# CTest, then the Python suite: pytest in .venv on the installed wheel (the source tree's
+# python/ is never on sys.path: the tests import the package from .venv's site-packages). The sanitizer build has no Python module (a
 # sanitized extension would need the runtime preloaded into the interpreter), so there the
 # Python suite is skipped with a message. pytest fails on no tests collected (exit 5) too.
 test: build
