@@ -62,9 +62,9 @@ venv: deps
 # Configures when there is no build yet, or when it was configured for another interpreter
 # than .venv's (e.g. before .venv existed). The sanitizer and fuzz presets build no extension.
 configure: deps venv
-	@want=""; [ -x $(VENV)/bin/python ] && want="$(PY)"; \
+	@want=""; [ -x $(VENV)/bin/python ] && [ "$(PRESET)" = release ] && want="$(PY)"; \
 	have=$$(sed -n 's/^Python_EXECUTABLE:[A-Z]*=//p' $(BUILD)/CMakeCache.txt 2>/dev/null); \
-	if [ ! -f $(BUILD)/build.ninja ] || [ -n "$$want" -a "$$have" != "$$want" -a "$(PRESET)" = release ]; then \
+	if [ ! -f $(BUILD)/build.ninja ] || [ -n "$$want" -a "$$have" != "$$want" ]; then \
 	  cmake --preset $(PRESET) $${want:+-DPython_EXECUTABLE=$$want -Upybind11_DIR}; \
 	fi
 
