@@ -7,19 +7,30 @@ PREFIX ?= $(CURDIR)/out/install
 DATTN := build/release/tools/dattn/dattn
 
 # What the build needs from Debian (libgomp, OpenMP's runtime, comes with g++). The Python
-# package is built and tested for /usr/bin/python3, the interpreter Debian's python3-* serve.
+# side lives in the project's virtual environment (.venv, below), not in Debian's packages.
 DEBIAN_PACKAGES := cmake ninja-build g++ make pkg-config clang-format \
   libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libdlpack-dev libpng-dev \
-  libopenmpi-dev openmpi-bin \
-  python3 python3-dev python3-pybind11 pybind11-dev python3-numpy python3-pytest python3-torch
-PYTHON := /usr/bin/python3
+  libopenmpi-dev openmpi-bin
 
-# What `make fuzz` needs besides: clang with libFuzzer (compiler-rt) and LLVM's OpenMP runtime.
-FUZZ_DEBIAN_PACKAGES := clang libclang-rt-14-dev libomp-dev
+# What `make fuzz` needs besides: clang with libFuzzer (compiler-rt) and LLVM's OpenMP runtime,
+# under Debian's unversioned names (llvm-defaults: clang 14 on Debian 12, 19 on 13).
+FUZZ_DEBIAN_PACKAGES := clang libclang-rt-dev libomp-dev
 FUZZ_SECONDS ?= 45
 FUZZ_TARGETS := fuzz_safetensors fuzz_attend_meta
 
-.PHONY: deps configure build run test asan fuzz format format-check install install-check clean
+# The project's Python environment: .venv from python3.11 (the interpreter the PyTorch build on
+# disk is for) with requirements.txt, every version pinned; `# no-deps: PKG==V` lines of that
+# file are installed with --no-deps (the file says why). Rebuilt when the file changes (the
+# stamp holds its checksum). CMake builds dattn's extension for it; `make test` builds the
+# wheel (pyproject.toml) on build/release's library and installs it there, as users get it.
+VENV_PYTHON ?= python3.11
+VENV := .venv
+PY := $(CURDIR)/$(VENV)/bin/python
+REQUIREMENTS := requirements.txt
+VENV_STAMP := $(VENV)/.dattn-requirements.sha256
+WHEEL_DIR := build/dist
+
+.PHONY: deps venv wheel configure build run test asan fuzz format format-check install install-check clean distclean
 
 deps:
 	@missing=""; \
@@ -33,10 +44,29 @@ deps:
 	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(BUILD)/build.ninja:
-	cmake --preset $(PRESET)
+venv: deps
+	@sum="$$(sha256sum $(REQUIREMENTS) | cut -d' ' -f1) $(VENV_PYTHON)"; \
+	if [ -x $(VENV)/bin/python ] && [ "$$(cat $(VENV_STAMP) 2>/dev/null)" = "$$sum" ]; then exit 0; fi; \
+	command -v $(VENV_PYTHON) >/dev/null || { echo "dattn: $(VENV_PYTHON) not found on PATH (the project's interpreter; set VENV_PYTHON=...)"; exit 1; }; \
+	if ! $(VENV_PYTHON) -c 'import ensurepip, sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path("include"), "Python.h")))' 2>/dev/null; then \
+	  echo "dattn: $(VENV_PYTHON) lacks venv or its headers: installing Debian's python3.11-venv python3.11-dev"; \
+	  $(MAKE) --no-print-directory deps DEBIAN_PACKAGES="python3.11-venv python3.11-dev" || exit 1; \
+	fi; \
+	echo "dattn: creating $(VENV) from $$(command -v $(VENV_PYTHON)) with $(REQUIREMENTS)"; \
+	rm -rf $(VENV) && $(VENV_PYTHON) -m venv $(VENV) && \
+	$(VENV)/bin/pip install -q -r $(REQUIREMENTS) && \
+	nodeps=$$(sed -n 's/^# no-deps: *//p' $(REQUIREMENTS)) && \
+	{ [ -z "$$nodeps" ] || $(VENV)/bin/pip install -q --no-deps $$nodeps; } && \
+	echo "$$sum" > $(VENV_STAMP)
 
-configure: deps $(BUILD)/build.ninja
+# Configures when there is no build yet, or when it was configured for another interpreter
+# than .venv's (e.g. before .venv existed). The sanitizer and fuzz presets build no extension.
+configure: deps venv
+	@want=""; [ -x $(VENV)/bin/python ] && [ "$(PRESET)" = release ] && want="$(PY)"; \
+	have=$$(sed -n 's/^Python_EXECUTABLE:[A-Z]*=//p' $(BUILD)/CMakeCache.txt 2>/dev/null); \
+	if [ ! -f $(BUILD)/build.ninja ] || [ -n "$$want" -a "$$have" != "$$want" ]; then \
+	  cmake --preset $(PRESET) $${want:+-DPython_EXECUTABLE=$$want -Upybind11_DIR}; \
+	fi
 
 build: configure
 	cmake --build --preset $(PRESET)
@@ -44,16 +74,27 @@ build: configure
 run: build
 	$(BUILD)/tools/dattn/dattn run
 
-# CTest, then the Python suite (pytest under /usr/bin/python3, importing dattn from the build
-# tree). The sanitizer build has no Python module (a sanitized extension would need the runtime
-# preloaded into the interpreter), so there the Python suite is skipped with a message.
+# The wheel (pyproject.toml) built on build/release's library (DATTN_PREBUILT_DIR: only the
+# extension is compiled, in build/wheel/prebuilt), installed into .venv.
+wheel: build
+	rm -rf $(WHEEL_DIR)
+	$(PY) -m pip wheel . -q --no-build-isolation --no-deps -w $(WHEEL_DIR) \
+	  -C build-dir=build/wheel/prebuilt -C cmake.define.DATTN_PREBUILT_DIR=$(CURDIR)/build/release
+	$(PY) -m pip install -q --no-deps --force-reinstall $(WHEEL_DIR)/dattn-*.whl
+
+# CTest, then the Python suite: pytest in .venv on the installed wheel (the source tree's
+# python/ is never on sys.path: the tests import the package from .venv's site-packages). The sanitizer build has no Python module (a
+# sanitized extension would need the runtime preloaded into the interpreter), so there the
+# Python suite is skipped with a message. pytest fails on no tests collected (exit 5) too.
 test: build
 	ctest --preset $(PRESET)
-	@if [ -f $(BUILD)/python/dattn/__init__.py ]; then \
-	  echo "dattn: Python tests ($(PYTHON) -m pytest tests/python)"; \
-	  PYTHONPATH=$(CURDIR)/$(BUILD)/python $(PYTHON) -m pytest -q -p no:cacheprovider tests/python; \
+	@if [ "$(PRESET)" = release ]; then \
+	  $(MAKE) --no-print-directory wheel && \
+	  echo "dattn: Python tests ($(VENV)/bin/pytest tests/python, dattn from the installed wheel)" && \
+	  cd /tmp && $(PY) -c "import dattn; print('dattn: testing', dattn.__file__)" && cd $(CURDIR) && \
+	  $(VENV)/bin/pytest -q -p no:cacheprovider tests/python; \
 	else \
-	  echo "dattn: SKIPPED the Python tests: no Python module in $(BUILD) (sanitizer build or no pybind11)"; \
+	  echo "dattn: SKIPPED the Python tests under PRESET=$(PRESET): no Python module there (sanitizers)"; \
 	fi
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer.
@@ -98,9 +139,14 @@ install-check:
 	  sh -c 'g++ -std=c++20 examples/consumer/main.cpp $$(pkg-config --cflags --libs dattn) \
 	    -Wl,-rpath,$(CURDIR)/out/install-check/prefix/lib -o out/install-check/consumer-pc'
 	out/install-check/consumer-pc
-	cd /tmp && PYTHONPATH=$$(ls -d $(CURDIR)/out/install-check/prefix/lib/python3*/dist-packages) \
-	  $(PYTHON) -c "import dattn, numpy; print('installed dattn', dattn.__file__, \
+	cd /tmp && PYTHONPATH=$$(ls -d $(CURDIR)/out/install-check/prefix/lib/python3*/site-packages) \
+	  $(PY) -c "import dattn, numpy; assert dattn.__file__.startswith('$(CURDIR)/out/install-check/'), dattn.__file__; \
+	    print('installed dattn', dattn.__file__, \
 	    dattn.Attention(num_heads=1, head_size=8).forward(*[numpy.ones((1, 3, 1, 8), numpy.float32)] * 3).shape)"
 
 clean:
 	rm -rf build out
+
+# Also the Python environment (the next make recreates it).
+distclean: clean
+	rm -rf $(VENV)

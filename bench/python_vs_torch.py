@@ -15,14 +15,14 @@ thread; medians of interleaved calls): the wall time per call of ``dattn.Attenti
 ``layer._layer.forward_into`` with pre-converted arguments and a pre-allocated output (the
 C++ call alone, through pybind11).
 
-Usage (after ``cmake --build build/release --target dattn_python``):
+Usage (in the project's environment, after ``make test`` installed dattn there):
 
-    PYTHONPATH=build/release/python /usr/bin/python3 bench/python_vs_torch.py
+    .venv/bin/python bench/python_vs_torch.py
         [--heads 2] [--seq 4608] [--head-dim 128] [--threads 2] [--reps 3]
         [--dtypes f32,bf16] [--json]
 
-Slow on purpose for PyTorch where its BLAS is the generic one (Debian's python3-torch reports
-BLAS_INFO=generic): the script prints the BLAS it found, so the ratio can be read with that.
+The script prints the BLAS PyTorch was built with (MKL for the pinned 2.13.0 CPU wheel).
+bench/torch_sdpa.py is the comparison with PyTorch's SDPA on several workloads.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def main(argv=None) -> dict:
 
         # The Python layer's cost on a tiny call, on one thread: the Python work does not
         # depend on the thread count, and one thread keeps OpenMP's barriers (slow on a loaded
-        # machine) out of the figure. torch and dattn share libgomp, so set_num_threads(1)
-        # also sets dattn's thread count for this thread.
+        # machine) out of the figure. PyTorch's wheel has its own libgomp copy: this sets
+        # PyTorch's count only; dattn keeps OMP_NUM_THREADS (its call is tiny either way).
         torch.set_num_threads(1)
         tiny = dattn.Attention(2, 64, prefix="bench.tiny")
         tq, tk, tv = (torch.randn(1, 64, 2, 64, generator=g) for _ in range(3))

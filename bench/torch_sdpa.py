@@ -1,62 +1,122 @@
 #!/usr/bin/env python3
-"""PyTorch's CPU attention on dattn's workload shapes, for comparison.
+"""dattn against the pinned PyTorch's CPU scaled_dot_product_attention, on DiT shapes.
 
-Uses F.scaled_dot_product_attention where the PyTorch has it (2.0 and later) and otherwise
-what diffusers' attention processors run without it: matmul, softmax, matmul.
-Optional: needs Debian's python3-torch (not a dattn dependency); run it with /usr/bin/python3. Prints one JSON object per
-line with the keys of `dattn bench --json` that apply. Shapes follow tools/dattn/workloads.cpp:
+One run, from Python, in the project's environment (.venv: torch 2.13.0, dattn installed by
+`make test`). Shapes follow tools/dattn/workloads.cpp, with --heads heads (default 2):
 
-  flux-1024   512 text + 4096 image rows, joint (one sequence of 4608), D 128
-  sd35-1024   333 text + 4096 image rows, joint (one sequence of 4429), D 64
+  flux-1024   512 text + 4096 image rows as one sequence of 4608, D 128
+  sd35-1024   333 text + 4096 image rows as one sequence of 4429, D 64
+  wan-480p    a 21x30x52 video grid, 32760 rows, D 128 (self-attention)
 
-Usage: /usr/bin/python3 bench/torch_sdpa.py [--heads 2] [--threads 1] [--reps 5] [--dtype f32|bf16]
+Both libraries get the same thread count: OMP_NUM_THREADS is set before either OpenMP runtime
+starts (PyTorch's wheel brings its own libgomp copy; dattn uses the system's, and has no thread
+option of its own) and torch.set_num_threads() too; the threads each ran are printed. The two
+never run at once: rounds are interleaved (PyTorch, then dattn, per round, with a pause so
+that one runtime's spinning workers have gone to sleep before the other starts), and each
+figure is the best of --rounds, so load from other processes hits both alike.
+GFLOP/s counts 4 * S * S * D * H.
+
+Usage: .venv/bin/python bench/torch_sdpa.py [--threads 2] [--heads 2] [--rounds 3]
+           [--workload flux-1024 ...] [--dtype f32 --dtype bf16] [--json]
 """
+
+from __future__ import annotations
+
 import argparse
 import json
+import os
+import sys
 import time
-
-import torch
-import torch.nn.functional as F
 
 WORKLOADS = {
     "flux-1024": (512 + 4096, 128),
     "sd35-1024": (333 + 4096, 64),
+    "wan-480p": (21 * 30 * 52, 128),
 }
 
 
-def attend(q, k, v):
-    if hasattr(F, "scaled_dot_product_attention"):
-        return F.scaled_dot_product_attention(q, k, v)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-    return torch.matmul(scores.softmax(dim=-1), v)
-
-
-def main():
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
-    ap.add_argument("--workload", action="append")
-    args = ap.parse_args()
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (best of)")
+    ap.add_argument("--workload", action="append", choices=list(WORKLOADS))
+    ap.add_argument("--dtype", action="append", choices=["f32", "bf16"])
+    ap.add_argument("--pause", type=float, default=0.2, help="seconds between the libraries")
+    ap.add_argument("--json", action="store_true", help="one JSON object per row")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before either OpenMP runtime starts
+    import torch
+
+    import dattn
+
     torch.set_num_threads(args.threads)
-    dtype = torch.float32 if args.dtype == "f32" else torch.bfloat16
-    for name in args.workload or list(WORKLOADS):
-        rows, d = WORKLOADS[name]
-        g = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(1, args.heads, rows, d, generator=g).to(dtype) for _ in range(3))
-        attend(q, k, v)  # warm-up
-        best = float("inf")
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            attend(q, k, v)
-            best = min(best, time.perf_counter() - t0)
-        flops = 4.0 * rows * rows * d * args.heads
-        path = "sdpa" if hasattr(F, "scaled_dot_product_attention") else "matmul-softmax-matmul"
-        print(json.dumps({"backend": f"torch-{torch.__version__}-{path}", "workload": name,
-                          "dtype": args.dtype, "threads": args.threads, "seconds": best,
-                          "gflops": flops / best * 1e-9}))
+    F = torch.nn.functional
+    sdpa = F.scaled_dot_product_attention
+    dattn_threads = dattn.measure_peak_gflops(0, 0.01)["threads"]
+    cpu = dattn.cpu_info()
+    header = {
+        "cpu": cpu["brand"], "logical_cpus": cpu["logical_cpus"],
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "dattn": dattn.__version__, "dattn_threads": dattn_threads,
+        "heads": args.heads, "rounds": args.rounds,
+    }
+    if not args.json:
+        print(f"CPU: {cpu['brand']} ({cpu['logical_cpus']} logical CPUs); threads: torch "
+              f"{header['torch_threads']}, dattn {dattn_threads}; torch {torch.__version__} "
+              f"(CPU capability {header['torch_cpu_capability']}); {args.heads} heads; best of "
+              f"{args.rounds} interleaved rounds")
+        print(f"{'workload':<11}{'dtype':<6}{'torch s':>9}{'GFLOP/s':>9}{'dattn s':>9}"
+              f"{'GFLOP/s':>9}  {'dattn/torch':>11}  engine       err vs torch")
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
+    rows = []
+    with torch.no_grad():
+        for name in args.workload or list(WORKLOADS):
+            S, D = WORKLOADS[name]
+            H = args.heads
+            flops = 4.0 * S * S * D * H
+            g = torch.Generator().manual_seed(1)
+            base = [torch.randn(1, H, S, D, generator=g) for _ in range(3)]
+            layer = dattn.Attention(H, D, qkv_layout="BHSD", prefix=f"bench.{name}")
+            for dt in args.dtype or ["f32", "bf16"]:
+                q, k, v = (t.to(dtypes[dt]) for t in base)
+                out = torch.empty_like(q)
+                fns = {"torch": lambda: sdpa(q, k, v),
+                       "dattn": lambda: layer.forward(q, k, v, out=out)}
+                best = {lib: float("inf") for lib in fns}
+                for lib, fn in fns.items():  # warm-up: plans, allocators, thread pools
+                    fn()
+                    time.sleep(args.pause)
+                for _ in range(args.rounds):
+                    for lib, fn in fns.items():
+                        t0 = time.perf_counter()
+                        fn()
+                        best[lib] = min(best[lib], time.perf_counter() - t0)
+                        time.sleep(args.pause)
+                want = sdpa(q, k, v)
+                err = float((out.double() - want.double()).norm() / want.double().norm())
+                row = {**header, "workload": name, "dtype": dt, "seq": S, "head_dim": D,
+                       "flops": flops, "torch_s": best["torch"], "dattn_s": best["dattn"],
+                       "torch_gflops": flops / best["torch"] * 1e-9,
+                       "dattn_gflops": flops / best["dattn"] * 1e-9,
+                       "dattn_over_torch": best["torch"] / best["dattn"],
+                       "engine": layer.last_engine, "backend": layer.backend_name,
+                       "rel_err_vs_torch": err}
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                else:
+                    print(f"{name:<11}{dt:<6}{row['torch_s']:>9.3f}{row['torch_gflops']:>9.1f}"
+                          f"{row['dattn_s']:>9.3f}{row['dattn_gflops']:>9.1f}  "
+                          f"{row['dattn_over_torch']:>10.2f}x  {row['engine']:<12} {err:.1e}",
+                          flush=True)
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main() else 1)

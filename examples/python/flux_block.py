@@ -17,12 +17,12 @@ The attention runs three ways and all must agree:
   AttentionMetadata(joint_query=..., joint_key=..., joint_value=..., joint_strategy="front"):
   nothing is concatenated; the output has the text rows first;
 - ``dattn-concat``: the streams concatenated along S, then one dattn call;
-- ``torch``: PyTorch's math, matmul - softmax - matmul on the concatenation (what diffusers'
-  processors run on a PyTorch without scaled_dot_product_attention).
+- ``torch``: PyTorch's own ``scaled_dot_product_attention`` on the concatenation (what
+  diffusers' processors run).
 
-Run (from the repository, after ``cmake --build build/release --target dattn_python``):
+Run (in the project's environment, after ``make test`` installed dattn there):
 
-    PYTHONPATH=build/release/python /usr/bin/python3 examples/python/flux_block.py
+    .venv/bin/python examples/python/flux_block.py
     ... --image-tokens 4096 --text-tokens 512 --heads 24 --head-dim 128   # Flux 1024x1024
 """
 
@@ -94,8 +94,7 @@ AttnFn = Callable[..., torch.Tensor]
 
 def torch_math_attention(tq, tk, tv, iq, ik, iv) -> torch.Tensor:
     q, k, v = (torch.cat(p, dim=1).transpose(1, 2) for p in ((tq, iq), (tk, ik), (tv, iv)))
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-    return torch.matmul(scores.softmax(dim=-1), v).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
 def make_dattn_joint(layer: dattn.Attention) -> AttnFn:

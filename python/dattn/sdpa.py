@@ -17,9 +17,15 @@ is_causal=False, scale=None)`` follows ``torch.nn.functional.scaled_dot_product_
   their count divides the query's (GQA, as ``enable_gqa=True``; a size-1 batch dim of key
   and value broadcasts).
 
-Differences, on purpose: a query row that sees no key (fully masked, or ``is_causal`` with
-nothing visible) is zeros, where PyTorch's math gives NaN; ``dropout_p != 0`` is refused (dattn
-computes inference only), and the output never requires grad.
+A query row that sees no key (fully masked by a bool or ``-inf`` mask) is zeros, as in
+PyTorch 2.5 and later (checked on 2.13, whose CPU kernels return zeros there too); with
+``is_causal`` (top-left) no row is empty.
+
+Differences, on purpose (this function; ``patch_torch_sdpa()`` behaves as PyTorch, see there):
+``dropout_p != 0`` is refused (dattn computes inference only); the output never requires grad;
+GQA is served whether or not ``enable_gqa`` is passed; ``attn_mask`` with ``is_causal`` is
+refused (PyTorch's documented rule; its CPU kernels combine the two); q/k/v of different
+dtypes and a float mask of another float dtype are read (PyTorch refuses them).
 """
 
 from __future__ import annotations
@@ -29,7 +35,14 @@ from typing import Callable, Dict, Optional, Tuple
 
 from .attention import Attention
 from .backends import adapter_backend
-from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field, as_float
+from .errors import (
+    InvalidArgument,
+    InvalidArgumentType,
+    Unsupported,
+    UnsupportedTensor,
+    _with_field,
+    as_float,
+)
 from .metadata import AttentionMetadata
 
 try:
@@ -171,8 +184,8 @@ def scaled_dot_product_attention(
     """``torch.nn.functional.scaled_dot_product_attention`` computed by dattn (CPU tensors).
 
     query ``[..., H, L, E]``, key ``[..., Hkv, S, E]``, value ``[..., Hkv, S, Ev]`` with
-    ``H % Hkv == 0`` (``enable_gqa`` is accepted for PyTorch 2.5's signature; dattn always
-    serves GQA). Leading dims of key and value may be 1 where the query's are not
+    ``H % Hkv == 0`` (``enable_gqa`` is accepted for PyTorch 2.5's signature; this function
+    always serves GQA, the patched one only with ``enable_gqa=True``, as PyTorch). Leading dims of key and value may be 1 where the query's are not
     (broadcast). Returns ``[..., H, L, Ev]`` in the query's dtype, not requiring grad. See the
     module docstring for the mask, causal and scale rules and the differences from PyTorch.
     Errors: :class:`SdpaError` (``RuntimeError`` and ``dattn.InvalidArgument``) for calls
@@ -267,37 +280,82 @@ _SERVED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _needs_original(args, kwargs) -> bool:
-    """Whether a call must go to PyTorch's own implementation (when there is one): tensors
-    not on the CPU, dtypes dattn does not compute, inputs that need a gradient, dropout, or
-    arguments dattn does not know."""
+    """Whether a call must go to PyTorch's own implementation: tensors not on the CPU, dtypes
+    dattn does not compute, inputs that need a gradient, dropout, arguments dattn does not know
+    or that are not tensors (PyTorch's TypeError), ranks that differ (PyTorch broadcasts them),
+    and ``attn_mask`` with ``is_causal`` (PyTorch's CPU kernels apply both)."""
     if len(args) > len(_ARG_NAMES) or any(k not in _SERVED_KWARGS for k in kwargs):
         return True
     bound = dict(zip(_ARG_NAMES, args), **kwargs)
     qkv = [bound.get(n) for n in ("query", "key", "value")]
+    mask = bound.get("attn_mask")
     if not all(isinstance(t, torch.Tensor) for t in qkv):
-        return False  # dattn's function names the argument that is not a tensor
-    tensors = qkv + [t for t in (bound.get("attn_mask"),) if isinstance(t, torch.Tensor)]
+        return True
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return True
+    tensors = qkv + ([mask] if mask is not None else [])
     if any(t.device.type != "cpu" for t in tensors):
         return True
     if any(str(t.dtype).replace("torch.", "") not in _SERVED_DTYPES for t in qkv):
+        return True
+    if len({t.dim() for t in qkv}) != 1:
+        return True
+    if mask is not None and bound.get("is_causal", False):
         return True
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return True  # training: dattn's output carries no gradient
     return bool(bound.get("dropout_p", 0.0))
 
 
-def _make_wrapper(original: Optional[Callable]) -> Callable:
+def _refuse_as_pytorch(args, kwargs) -> None:
+    """Raises what PyTorch's function raises (a RuntimeError: SdpaError) for calls it refuses
+    but dattn's own function serves: q/k/v of different dtypes, a mask that is neither bool nor
+    float32 nor the query's dtype, and key/value heads other than the query's without
+    ``enable_gqa=True``."""
+    bound = dict(zip(_ARG_NAMES, args), **kwargs)
+    q, k, v = (bound[n] for n in ("query", "key", "value"))
+    if not (q.dtype == k.dtype == v.dtype):
+        raise _error(
+            f"query/key/value: dtypes {q.dtype}, {k.dtype}, {v.dtype}; PyTorch's "
+            f"scaled_dot_product_attention expects one dtype",
+            "key" if k.dtype != q.dtype else "value",
+        )
+    mask = bound.get("attn_mask")
+    if mask is not None and mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        raise _error(
+            f"attn_mask: dtype {mask.dtype} is neither bool, float32 nor the query's "
+            f"{q.dtype} (PyTorch's rule)",
+            "attn_mask",
+        )
+    if (
+        q.dim() >= 3
+        and not bound.get("enable_gqa", False)
+        and (k.shape[-3] != q.shape[-3] or v.shape[-3] != q.shape[-3])
+    ):
+        raise _error(
+            f"key: {k.shape[-3]} heads for the query's {q.shape[-3]}; pass enable_gqa=True "
+            f"for grouped-query attention (PyTorch's rule)",
+            "key",
+        )
+
+
+def _make_wrapper(original: Callable) -> Callable:
     def sdpa(*args, **kwargs):
-        if original is not None and _needs_original(args, kwargs):
+        if _needs_original(args, kwargs):
             return original(*args, **kwargs)
-        return scaled_dot_product_attention(*args, **kwargs)
+        _refuse_as_pytorch(args, kwargs)
+        try:
+            return scaled_dot_product_attention(*args, **kwargs)
+        except (SdpaError, InvalidArgumentType):
+            raise  # a value of the wrong type is PyTorch's TypeError too (scale="x")
+        except InvalidArgument as e:  # e.g. head sizes that differ: PyTorch's RuntimeError
+            raise _error(str(e), getattr(e, "field", None)) from e
 
     sdpa.__name__ = "scaled_dot_product_attention"
     sdpa.__qualname__ = "scaled_dot_product_attention"
     sdpa.__doc__ = (
         "dattn's scaled_dot_product_attention installed by dattn.patch_torch_sdpa(); calls "
-        "dattn cannot serve go to PyTorch's own implementation"
-        + (" (present)." if original is not None else " (absent in this PyTorch).")
+        "dattn cannot serve go to PyTorch's own implementation."
     )
     sdpa._dattn_original = original
     sdpa._dattn_patch = True
@@ -349,10 +407,13 @@ def patch_torch_sdpa() -> SdpaPatch:
     """Install dattn's ``scaled_dot_product_attention`` as
     ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Where PyTorch has its own (2.x), calls dattn cannot serve go to it: tensors not on the CPU,
-    float64 and other dtypes, ``dropout_p != 0``, inputs that require grad while grad mode is
-    on, and keyword arguments dattn does not know. Where PyTorch has none (1.13), dattn's is the
-    function. Code that looks the function up at call time (``F.scaled_dot_product_attention``)
+    Calls dattn cannot serve, or where PyTorch computes something dattn's function does not,
+    go to PyTorch's own: tensors not on the CPU, float64 and other dtypes, ``dropout_p != 0``,
+    inputs that require grad while grad mode is on (training keeps working), keyword
+    arguments dattn does not know, non-tensor arguments, q/k/v of different ranks, and
+    ``attn_mask`` with ``is_causal``. What PyTorch refuses, the patched function refuses with a
+    RuntimeError too (mixed q/k/v dtypes, a mask of another float dtype, GQA without
+    ``enable_gqa=True``, shapes that do not broadcast). Needs PyTorch 2.0 or later. Code that looks the function up at call time (``F.scaled_dot_product_attention``)
     uses it without edits; a name imported before the patch keeps the old function.
 
     Returns an :class:`SdpaPatch`: a context manager and an undo function. Patching twice is
@@ -361,6 +422,13 @@ def patch_torch_sdpa() -> SdpaPatch:
         raise _with_field(Unsupported, "patch_torch_sdpa: torch is not importable", "torch")
     functional = torch.nn.functional
     current = getattr(functional, "scaled_dot_product_attention", _MISSING)
+    if current is _MISSING:
+        raise _with_field(
+            Unsupported,
+            f"patch_torch_sdpa: torch {torch.__version__} has no "
+            f"torch.nn.functional.scaled_dot_product_attention (PyTorch 2.0 or later)",
+            "torch",
+        )
     if _PatchState.depth == 0 or not getattr(current, "_dattn_patch", False):
         # A new installation (none active, or someone replaced dattn's since).
         if getattr(current, "_dattn_patch", False):  # a stale dattn patch: wrap what it wrapped
@@ -368,9 +436,7 @@ def patch_torch_sdpa() -> SdpaPatch:
         _PatchState.generation += 1
         _PatchState.saved = current
         _PatchState.depth = 0
-        functional.scaled_dot_product_attention = _make_wrapper(
-            None if current is _MISSING else current
-        )
+        functional.scaled_dot_product_attention = _make_wrapper(current)
     _PatchState.depth += 1
     return SdpaPatch()
 

@@ -1,8 +1,7 @@
 """How torch tensors and numpy arrays reach dattn._core, and how outputs are made.
 
-torch.Tensor goes through DLPack (no copy, any strides). PyTorch 1.13's DLPack refuses bool
-tensors and tensors that require grad: a bool tensor is passed as its uint8 view, a tensor
-that requires grad as ``.detach()`` (the same memory; dattn is inference only). numpy arrays are
+torch.Tensor goes through DLPack (no copy, any strides). PyTorch's DLPack refuses tensors that
+require grad: such a tensor is passed as ``.detach()``, and a bool tensor as its uint8 view (the same memory; dattn is inference only). numpy arrays are
 read through ``__array_interface__`` (no copy), so read-only arrays such as ``np.broadcast_to``
 results and bool arrays need nothing special; an output must be writable.
 """
@@ -13,7 +12,7 @@ from .errors import InvalidArgument, UnsupportedTensor, _with_field
 
 try:  # torch is optional: numpy arrays work without it
     import torch
-except ImportError:  # pragma: no cover - Debian's python3-torch is a test dependency
+except ImportError:  # pragma: no cover - torch is a test dependency (requirements.txt)
     torch = None
 
 try:

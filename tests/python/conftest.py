@@ -1,11 +1,10 @@
-"""Shared helpers of the Python suite: a float64 oracle written from PyTorch's math (not
-through dattn's REFERENCE), input builders and comparisons."""
+"""Shared helpers of the Python suite: a float64 oracle for dattn.Attention's calls (BSHD, with
+the LSE and features PyTorch's scaled_dot_product_attention lacks: causal offsets, key masks;
+test_sdpa.py compares with PyTorch's function itself), input builders and comparisons."""
 
 import math
 
-import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 
 def oracle(q, k, v, scale=None, bias=None, causal_offset=None, visible=None):

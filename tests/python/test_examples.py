@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "python"
 

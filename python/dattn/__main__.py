@@ -1,0 +1,151 @@
+"""``python -m dattn info [--json] [--threads N]``: what the CLI's ``dattn info`` prints (the
+platform, the CPU, the measured peaks with the FLASH engines held to each, the engines, every
+registered backend with its capability flags), from the bindings. The CLI's ``workloads`` line
+is left out: workloads are the CLI's own (``dattn run --workload``), not the library's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import _core
+
+_KINDS = (("f32_fma", "f32 FMA"), ("bf16_dot", "bf16 dot (vdpbf16ps)"),
+          ("amx_bf16", "AMX tiles (tdpbf16ps)"))
+
+
+def _peak_kind(engine: dict):
+    """The kind of peak an engine is held to (tools/dattn/measurement.cpp's rule); None: none."""
+    if engine["emulated"]:
+        return None
+    if engine["compute_dtype"] == "f32":
+        return "f32_fma"
+    return {"avx512_bf16": "bf16_dot", "amx": "amx_bf16"}.get(engine["name"])
+
+
+def info(threads: int = 0) -> dict:
+    """The data of ``dattn info --json`` (less ``workloads``)."""
+    peak = dict(_core.measure_peak_gflops(threads, 0.2))
+    cpu = dict(_core.cpu_info())
+    engines = []
+    for e in _core.flash_engines():
+        e = dict(e)
+        engines.append({
+            "name": e["name"], "rank": e["rank"], "compute_dtype": e["compute_dtype"],
+            "emulated": e["emulated"], "peak_kind": _peak_kind(e),
+            "available": e["unavailable_reason"] is None,
+            "unavailable_reason": e["unavailable_reason"],
+        })
+    backends = []
+    for b in _core.backends():
+        b = dict(b)
+        caps = {k: v for k, v in b.items()
+                if k not in ("name", "description", "priority", "dtypes", "available",
+                             "unavailable_reason")}
+        backends.append({"name": b["name"], "description": b["description"],
+                         "priority": b["priority"], "available": b["available"],
+                         "unavailable_reason": b["unavailable_reason"] or None,
+                         **{k: list(v) if isinstance(v, tuple) else v for k, v in caps.items()}})
+    return {
+        "platform": "cpu",
+        "cpu": {"brand": cpu["brand"], "vendor": cpu["vendor"],
+                "logical_cpus": cpu["logical_cpus"], "features": list(cpu["features"])},
+        "threads": peak["threads"],
+        "peak_gflops": {k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable",
+                                             "amx_bf16", "amx_bf16_unavailable", "isa",
+                                             "threads")},
+        "engines": engines,
+        "backends": backends,
+    }
+
+
+def _cell(value) -> str:
+    """A value as the CLI's table cell (tools/dattn/info_command.cpp's cell())."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None:
+        return "any"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        return ",".join(_cell(x) for x in value) if value else "any"
+    if isinstance(value, dict):
+        return " ".join(f"{k}:{_cell(v)}" for k, v in value.items()) if value else "none"
+    return str(value)
+
+
+def format_text(data: dict) -> str:
+    lines = []
+
+    def label(name: str, text: str) -> None:
+        lines.append(f"{name:<14}{text}")
+
+    cpu = data["cpu"]
+    label("platform", data["platform"])
+    label("cpu", f"{cpu['brand']} ({cpu['logical_cpus']} logical CPUs)")
+    label("features", _cell(cpu["features"]))
+    label("threads", str(data["threads"]))
+    peak = data["peak_gflops"]
+    for n, (kind, what) in enumerate(_KINDS):
+        if peak[kind] is None:
+            text = f"none {what}: {peak[kind + '_unavailable']}"
+        else:
+            text = f"{peak[kind]:.1f} {what}"
+            if kind == "f32_fma":
+                text += f" ({peak['isa']})"
+            names = [e["name"] for e in data["engines"] if e["peak_kind"] == kind]
+            text += ": " + ("no engine uses it yet" if not names else
+                            ("engine " if len(names) == 1 else "engines ") + ", ".join(names))
+        label("peak GFLOP/s" if n == 0 else "", text)
+    engines = []
+    for e in data["engines"]:
+        notes = [e["compute_dtype"]] if e["compute_dtype"] != "f32" else []
+        notes += ["emulated"] if e["emulated"] else []
+        notes += ["unavailable"] if not e["available"] else []
+        engines.append(e["name"] + (f" ({', '.join(notes)})" if notes else ""))
+    label("engines", ", ".join(engines))
+    lines.append("")
+
+    backends = data["backends"]
+    caps = [k for k in backends[0] if k not in ("name", "description", "priority", "available",
+                                                "unavailable_reason")] if backends else []
+    rows = ["priority", "available"] + caps
+    width = max([len("backend")] + [len(r) for r in rows])
+    widths = [max([len(b["name"])] + [len(_cell(b[r])) for r in rows]) for b in backends]
+
+    def row(name, cells):
+        text = f"{name:<{width}}"
+        for i, c in enumerate(cells):
+            text += "  " + (c if i + 1 == len(cells) else f"{c:<{widths[i]}}")
+        lines.append(text)
+
+    row("backend", [b["name"] for b in backends])
+    for r in rows:
+        row(r, [_cell(b[r]) for b in backends])
+    lines.append("")
+    for b in backends:
+        lines.append(f"{b['name']}: {b['description']}")
+        if b["unavailable_reason"]:
+            lines.append(f"  unavailable: {b['unavailable_reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dattn", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="platform, CPU, peaks, engines and backends")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", "-t", type=int, default=0,
+                   help=f"threads for the peak measurement, 1 to {_core.cpu_info()['max_threads']}")
+    args = ap.parse_args(argv)
+    limit = _core.cpu_info()["max_threads"]
+    if args.threads and not 1 <= args.threads <= limit:
+        ap.error(f"--threads: {args.threads} is not in 1 to {limit}")
+    data = info(args.threads)
+    sys.stdout.write(json.dumps(data) + "\n" if args.json else format_text(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
