@@ -26,8 +26,9 @@ def _peak_kind(engine: dict):
 
 def info(threads: int = 0) -> dict:
     """The data of ``dattn info --json`` (less ``workloads``)."""
-    peak = dict(_core.measure_peak_gflops(threads, 0.2))
     cpu = dict(_core.cpu_info())
+    threads = threads if threads > 0 else cpu["default_threads"]  # as the CLI decides it
+    peak = dict(_core.measure_peak_gflops(threads, 0.2))
     engines = []
     for e in _core.flash_engines():
         e = dict(e)
@@ -51,10 +52,12 @@ def info(threads: int = 0) -> dict:
         "platform": "cpu",
         "cpu": {"brand": cpu["brand"], "vendor": cpu["vendor"],
                 "logical_cpus": cpu["logical_cpus"], "features": list(cpu["features"])},
-        "threads": peak["threads"],
-        "peak_gflops": {k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable",
-                                             "amx_bf16", "amx_bf16_unavailable", "isa",
-                                             "threads")},
+        "threads": threads,
+        "peak_gflops": {
+            **{k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable", "amx_bf16",
+                                    "amx_bf16_unavailable", "isa", "threads")},
+            "affinity_cpus": cpu["affinity_cpus"],
+        },
         "engines": engines,
         "backends": backends,
     }
@@ -87,6 +90,8 @@ def format_text(data: dict) -> str:
     label("features", _cell(cpu["features"]))
     label("threads", str(data["threads"]))
     peak = data["peak_gflops"]
+    label("peak timing", f"{peak['threads']} thread(s) timed together over one interval, at most "
+                         f"the {peak['affinity_cpus']} CPU(s) this process may run on")
     for n, (kind, what) in enumerate(_KINDS):
         if peak[kind] is None:
             text = f"none {what}: {peak[kind + '_unavailable']}"

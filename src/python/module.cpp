@@ -540,6 +540,8 @@ PYBIND11_MODULE(_core, m) {
     d["logical_cpus"] = f.logical_cpus;
     d["features"] = f.names();
     d["max_threads"] = kMaxThreads;
+    d["default_threads"] = default_threads();  // what a call uses (the one thread bound)
+    d["affinity_cpus"] = affinity_cpus();      // the CPUs this process may run on
     return d;
   });
   m.def(

@@ -84,6 +84,20 @@ def _engine(tmp_path, monkeypatch, entry_point=True):
             (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dattn\nVersion: 0.0.0\n")
             (dist / "entry_points.txt").write_text(ENTRY_POINTS)
             sys.path.insert(0, str(tmp_path))
+        else:
+            # dattn installed as a wheel declares the same entry points: hide them (the engine
+            # reads importlib.metadata.entry_points(group=...) when it loads its plugins).
+            real = importlib.metadata.entry_points
+
+            def without_dattn(**kwargs):
+                found = real(**kwargs)
+                if "group" not in kwargs:
+                    return found
+                return importlib.metadata.EntryPoints(
+                    ep for ep in found if not ep.value.startswith("dattn.")
+                )
+
+            monkeypatch.setattr(importlib.metadata, "entry_points", without_dattn)
         root = types.ModuleType("vllm_omni")
         root.__path__ = list(spec.submodule_search_locations)
         root.__file__ = spec.origin
