@@ -3,6 +3,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/strings.hpp"
 #include "dattn/cpu_info.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -52,10 +53,7 @@ std::string regs_string(const unsigned* words, int n) {
 }
 
 std::string trim(const std::string& s) {
-  const auto first = s.find_first_not_of(" \t");
-  if (first == std::string::npos) return {};
-  const auto last = s.find_last_not_of(" \t");
-  return s.substr(first, last - first + 1);
+  return std::string(detail::trimmed(s));
 }
 
 void detect_x86(CpuFeatures& f) {

@@ -11,6 +11,8 @@
 #include <string_view>
 #include <thread>
 
+#include "core/strings.hpp"
+
 namespace dattn {
 namespace {
 
@@ -20,10 +22,7 @@ std::optional<std::uint64_t> omp_num_threads_env() {
   const char* env = std::getenv("OMP_NUM_THREADS");
   if (env == nullptr) return std::nullopt;
   std::string_view s(env);
-  s = s.substr(0, s.find(','));
-  const auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
-  while (!s.empty() && space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  s = detail::trimmed(s.substr(0, s.find(',')));
   if (s.empty()) return std::nullopt;
   std::uint64_t v = 0;
   for (char c : s) {

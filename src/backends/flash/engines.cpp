@@ -6,6 +6,7 @@
 
 #include "core/amx_permission.hpp"
 #include "core/cpu_peak.hpp"
+#include "core/strings.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
@@ -70,13 +71,7 @@ std::span<const Engine> engines() {
 
 namespace {
 
-// `name` without surrounding whitespace (DATTN_ISA='amx\n' names amx).
-std::string_view trimmed(std::string_view name) {
-  const auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
-  while (!name.empty() && space(name.front())) name.remove_prefix(1);
-  while (!name.empty() && space(name.back())) name.remove_suffix(1);
-  return name;
-}
+using detail::trimmed;  // DATTN_ISA='amx\n' names amx
 
 // `name` as an error message quotes it: at most 64 characters, control characters escaped.
 std::string quoted(std::string_view name) {
