@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include "backends/flash/engines.hpp"
@@ -76,14 +77,18 @@ TEST(Flash, APlanRunsAgainOnNewDataOfTheSameShapes) {
 }
 
 // Every engine this CPU runs (bf16 inputs, so the bf16 engines plan their pair workspaces too):
-// the f32 engines stay within 256 KiB per thread (half of a 512 KiB L2), the bf16 engines within
-// 256 KiB plus their workspace (Q and P as bf16 pairs: up to 64 KiB at D = 128; K and V live
-// in the per-call panels).
+// the f32 engines stay within 256 KiB per thread (half of a 512 KiB L2), avx512_bf16 within
+// 256 KiB plus its workspace (Q and P as bf16 pairs: up to 64 KiB at D = 128; K and V live in
+// the per-call panels), and amx, which keeps a key panel's logits and probabilities of 4 tiles
+// (up to 210 KiB), within 512 KiB: a quarter of the 2 MiB L2 of every CPU with AMX.
 TEST(Flash, ScratchPerThreadStaysWithin256KiBUpToHeadSize128) {
   for (const EngineInfo& engine : flash_engines()) {
     if (engine.unavailable_reason) continue;
     SCOPED_TRACE(engine.name);
-    const std::size_t budget = engine.compute_dtype == "bf16" ? 352u * 1024u : 256u * 1024u;
+    const bool amx = engine.name.starts_with("amx");
+    const std::size_t budget = amx                              ? 512u * 1024u
+                               : engine.compute_dtype == "bf16" ? 352u * 1024u
+                                                                : 256u * 1024u;
     for (const auto& [hq, hkv] : {std::pair<i64, i64>{24, 24}, {28, 7}, {24, 1}})
       for (i64 d : {32, 64, 80, 96, 128}) {
         AttentionConfig c = flash_config(hq, hkv, d, false);
@@ -554,6 +559,7 @@ class FlashEngine : public ::testing::TestWithParam<std::string> {};
 struct EngineCase {
   i64 hq, hkv, d, sq, skv;
   bool causal, mask;
+  std::optional<double> scale = std::nullopt;  // default head_size^-0.5
 };
 
 TEST_P(FlashEngine, MatchesReference) {
@@ -569,7 +575,13 @@ TEST_P(FlashEngine, MatchesReference) {
                                       {3, 1, 64, 100, 100, true, false},
                                       {2, 2, 80, 45, 97, false, true},
                                       {2, 1, 59, 130, 67, true, true},
-                                      {1, 1, 128, 33, 200, false, false}};
+                                      {1, 1, 128, 33, 200, false, false},
+                                      // Key panels of several tiles with a short one inside
+                                      // and at the end; a negative and a zero scale (the
+                                      // order of the logits turned round; all equal).
+                                      {2, 1, 48, 70, 300, true, true, -0.2},
+                                      {1, 1, 32, 40, 260, false, false, 0.0},
+                                      {3, 3, 64, 65, 577, false, false}};
   // (inputs, compute_dtype) pairs this engine serves when forced by name.
   std::vector<std::pair<DType, std::string>> runs;
   if (bf16_engine)
@@ -579,11 +591,11 @@ TEST_P(FlashEngine, MatchesReference) {
   std::uint32_t seed = 100;
   for (const EngineCase& ec : cases)
     for (const auto& [dt, compute] : runs) {
-      const std::string what = info.name + " " + std::string(dtype_name(dt)) + " compute " +
-                               compute + " H" + std::to_string(ec.hq) + "x" +
-                               std::to_string(ec.hkv) + " D" + std::to_string(ec.d) + " " +
-                               std::to_string(ec.sq) + "x" + std::to_string(ec.skv) +
-                               (ec.causal ? " causal" : "") + (ec.mask ? " mask" : "");
+      const std::string what =
+          info.name + " " + std::string(dtype_name(dt)) + " compute " + compute + " H" +
+          std::to_string(ec.hq) + "x" + std::to_string(ec.hkv) + " D" + std::to_string(ec.d) + " " +
+          std::to_string(ec.sq) + "x" + std::to_string(ec.skv) + (ec.causal ? " causal" : "") +
+          (ec.mask ? " mask" : "") + (ec.scale ? " scale " + std::to_string(*ec.scale) : "");
       auto q = random_tensor({1, ec.sq, ec.hq, ec.d}, dt, seed++),
            k = random_tensor({1, ec.skv, ec.hkv, ec.d}, dt, seed++),
            v = random_tensor({1, ec.skv, ec.hkv, ec.d}, dt, seed++);
@@ -597,6 +609,7 @@ TEST_P(FlashEngine, MatchesReference) {
         m.attn_mask = mask.view();
       }
       AttentionConfig c = flash_config(ec.hq, ec.hkv, ec.d, ec.causal);
+      c.softmax_scale = ec.scale;
       c.backend_options["isa"] = info.name;
       c.backend_options["compute_dtype"] = compute;
       const auto got = Attention(c).forward(q, k, v, m, true);

@@ -3,14 +3,14 @@
 // plan(): splits the problem's segments into work items (a block of query rows x the heads of
 // one GQA group, which share K/V tiles), splits key ranges when there are fewer items than
 // threads, and sizes the per-thread scratch.
-// run(): threads take work items; each packs its Q rows once (transposed, pre-scaled by the
-// softmax scale), then walks the key tiles its rows can see (causal/piecewise limits are per-row
-// key prefixes; tiles past every row's limit are never visited, tiles a mask hides entirely are
-// skipped), converting K and V tiles to f32 rows, and calls the engine's kernels for K.Q^T, the
-// softmax step and P.V (engines with their own operand formats pack Q once per item and K, P,
-// V per tile into their workspace); split items are merged by LSE at the end. The engine is
-// chosen per plan from the cap (DATTN_ISA or the isa option), the input dtype and the
-// compute_dtype option (engines.hpp).
+// run(): all threads pack a wave's K/V panels (once per call, in the engine's format), then take
+// its work items; each packs its Q rows once (transposed; pre-scaled by the softmax scale for
+// the f32 engines) and hands the engine's inner loop (kernels.hpp, the contract) the key tiles
+// its rows can see: causal/piecewise limits are per-row key prefixes, so tiles past every row's
+// limit are never produced, nor tiles a mask hides entirely; the others ask for the logits hook
+// (hide) where positions or a mask act on some of their keys. Split items are merged by LSE at
+// the end. The engine is chosen per plan from the cap (DATTN_ISA or the isa option), the input
+// dtype and the compute_dtype option (engines.hpp).
 #include "backends/flash/flash.hpp"
 
 #include <omp.h>
@@ -167,13 +167,13 @@ struct Scratch {
     if (kk.workspace_bytes == nullptr) return 0;
     return kk.workspace_bytes(int(rows_p), int(d), int(dvp));
   }
-  static std::size_t floats(i64 rows_p, i64 d, i64 dvp, std::size_t ws_bytes) {
+  static std::size_t floats(i64 rows_p, i64 d, i64 dvp, std::size_t ws_bytes, bool tile_by_tile) {
     ScratchLayout count;
-    (void)carve(count, nullptr, rows_p, d, dvp, ws_bytes);
+    (void)carve(count, nullptr, rows_p, d, dvp, ws_bytes, tile_by_tile);
     return count.floats();
   }
   static Scratch carve(ScratchLayout& at, i64* row_ends, i64 rows_p, i64 d, i64 dvp,
-                       std::size_t ws_bytes) {
+                       std::size_t ws_bytes, bool tile_by_tile) {
     Scratch s{};
     if (ws_bytes > 0) {  // first, with 64 bytes of slack to align it
       constexpr i64 kAlignFloats = 64 / sizeof(float);
@@ -186,7 +186,9 @@ struct Scratch {
     s.ld_k = d + kStridePad;
     s.ld_v = dvp + kStridePad;
     s.qt = at.take(d * s.ld_rows);
-    s.st = at.take(kBlockKeys * s.ld_rows);
+    // S^T of one tile: the tile-by-tile engines' (kernels.hpp); engines with their own inner
+    // loop keep their logits in their workspace.
+    s.st = tile_by_tile ? at.take(kBlockKeys * s.ld_rows) : nullptr;
     s.o = at.take(rows_p * s.ld_o);
     s.k = at.take(kBlockKeys * s.ld_k);
     s.v = at.take(kBlockKeys * s.ld_v);
@@ -248,8 +250,8 @@ class Worker {
     }
     ScratchLayout layout(buffers.floats);
     const i64 rows_p = round_up(plan_.block.heads * plan_.block.rows_per_head, kk_.row_align);
-    const Scratch s =
-        Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp, plan_.workspace_bytes);
+    const Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp,
+                                     plan_.workspace_bytes, kk_.attend == nullptr);
     convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, s.ld_k, ahead);
     convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
     kk_.pack_k(s.k, s.ld_k, int(n), int(d), at);
@@ -262,7 +264,8 @@ class Worker {
     const i64 rows_p = round_up(rows, kk_.row_align);
     const i64 d = p_.d, dvp = plan_.dv_padded;
     ScratchLayout layout(buffers.floats);
-    Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp, plan_.workspace_bytes);
+    Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp, plan_.workspace_bytes,
+                               kk_.attend == nullptr);
 
     // Each row sees a prefix [k_begin, kend) of the segment's keys (positions are linear).
     i64 kmax = seg.k_begin, kmin = seg.k_end;
@@ -292,29 +295,15 @@ class Worker {
     std::fill(s.m, s.m + rows_p, kNegInf);
     std::fill(s.l, s.l + rows_p, 0.0f);
     std::fill(s.o, s.o + rows_p * s.ld_o, 0.0f);
-    const PanelGroup& group = plan_.groups[w.group];
-
-    for (i64 j0 = k_first; j0 < kmax; j0 += kBlockKeys) {
-      const i64 n = std::min(kBlockKeys, kmax - j0);
-      if (tile_hidden_by_mask(w, s, b, j0, n)) continue;
-      // K and V tiles come from the call's panel, converted once per call with padded strides:
-      // reading them in place, H * D elements apart, cost more in cache-set conflicts and TLB
-      // misses than a copy (measured on flux-1024: 47% -> 58% of peak with 24 heads), and
-      // converting them per work item cost as much again.
-      const unsigned char* tile =
-          panel_ + group.offset + std::size_t((j0 - seg.k_begin) / kBlockKeys) * plan_.tile_bytes();
-      // The next tile's K and V into L2 while this one computes: a long sequence's panels
-      // outgrow the last-level cache, and each work item streams them again.
-      const bool more = j0 + n < kmax;
-      if (more) prefetch(tile + plan_.tile_bytes(), plan_.k_tile_bytes);
-      kk_.qk(tile, plan_.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(n), int(rows_p), int(d), s.ws);
-      if (more) prefetch(tile + plan_.tile_bytes() + plan_.k_tile_bytes, plan_.v_tile_bytes);
-      if (j0 + n > kmin || p_.mask.kind != MaskKind::none)
-        hide(w, s, b, j0, n, rows, j0 + n > kmin);
-      kk_.softmax_tile(s.st, s.ld_rows, int(n), int(rows_p), s.m, s.l, s.alpha);
-      kk_.pv(s.st, s.ld_rows, tile + plan_.k_tile_bytes, plan_.ld_v, s.o, s.ld_o, s.alpha,
-             int(rows), int(n), int(dvp), s.ws);
-    }
+    // The engine's inner loop over the tiles this item's rows can see (kernels.hpp, the
+    // contract); this driver produces them from the call's panel and applies positions and
+    // masks through the logits hook.
+    ItemTiles tiles{*this, w, s, b, k_first, kmax, kmin, plan_.groups[w.group]};
+    const ItemKeys keys{&ItemTiles::next, &ItemTiles::logits, &tiles};
+    const ItemState state{s.qt,   s.st,     s.ld_rows,  s.o,        s.ld_o,
+                          s.m,    s.l,      s.alpha,    int(rows),  int(rows_p),
+                          int(d), int(dvp), plan_.ld_k, plan_.ld_v, s.ws};
+    attend(kk_, keys, state);
 
     if (w.partial >= 0) {
       float* slot = partials_ + w.partial * plan_.partial_rows * (p_.dv + 2);
@@ -329,6 +318,51 @@ class Worker {
     for (i64 r = 0; r < rows; ++r)
       write_row(s.o + r * s.ld_o, s.m[r], s.l[r], b, w.h0 + r / nq, w.q0 + r % nq);
   }
+
+  // The key tiles of one work item (ItemKeys): tiles of the call's panel from k_first to kmax,
+  // skipping those a mask hides entirely; a tile past some row's limit, or under a mask, asks
+  // for the hook.
+  struct ItemTiles {
+    const Worker& worker;
+    const WorkItem& w;
+    const Scratch& s;
+    i64 b, j0, kmax, kmin;
+    const PanelGroup& group;
+    std::array<KeyTile, kMaxPanelTiles> ring{};  // the engine holds up to panel_tiles of them
+
+    static const KeyTile* next(void* ctx, int n) {
+      auto& t = *static_cast<ItemTiles*>(ctx);
+      const Worker& wk = t.worker;
+      const FlashPlan& plan = wk.plan_;
+      const Segment& seg = wk.p_.segments[t.w.segment];
+      for (; t.j0 < t.kmax; t.j0 += kBlockKeys) {
+        const i64 keys = std::min(kBlockKeys, t.kmax - t.j0);
+        if (wk.tile_hidden_by_mask(t.w, t.s, t.b, t.j0, keys)) continue;
+        // K and V tiles come from the call's panel, converted once per call with padded
+        // strides: reading them in place, H * D elements apart, cost more in cache-set
+        // conflicts and TLB misses than a copy (measured on flux-1024: 47% -> 58% of peak with
+        // 24 heads), and converting them per work item cost as much again.
+        const unsigned char* at =
+            wk.panel_ + t.group.offset +
+            std::size_t((t.j0 - seg.k_begin) / kBlockKeys) * plan.tile_bytes();
+        // The next tile's K and V into L2 while this one computes: a long sequence's panels
+        // outgrow the last-level cache, and each work item streams them again.
+        if (t.j0 + keys < t.kmax) prefetch(at + plan.tile_bytes(), plan.tile_bytes());
+        KeyTile& tile = t.ring[std::size_t(n % wk.kk_.panel_tiles)];
+        tile = {at, at + plan.k_tile_bytes, int(keys),
+                t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none, t.j0};
+        t.j0 += kBlockKeys;
+        return &tile;
+      }
+      return nullptr;
+    }
+    static void logits(void* ctx, const KeyTile& tile, float* st, i64 row_stride, i64 key_stride) {
+      auto& t = *static_cast<ItemTiles*>(ctx);
+      const i64 rows = (t.w.q1 - t.w.q0) * (t.w.h1 - t.w.h0);
+      t.worker.hide(t.w, t.s, t.b, tile.j0, tile.keys, rows, tile.j0 + tile.keys > t.kmin, st,
+                    row_stride, key_stride);
+    }
+  };
 
   static void prefetch(const unsigned char* at, std::size_t bytes) {
     for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(at + off, 0, 2);
@@ -440,32 +474,33 @@ class Worker {
   }
 
   // Sets the logits a row may not see to -inf (keys past its position limit, masked keys) and
-  // adds additive mask terms (natural units, like the logits: a finite -FLT_MAX stays finite). A
-  // key-padding mask hides whole rows of S^T.
+  // adds additive mask terms (natural units, like the logits: a finite -FLT_MAX stays finite),
+  // on the engine's layout: st[r * rs + jj * ks] is row r's logit of key j0 + jj.
   void hide(const WorkItem& w, const Scratch& s, i64 b, i64 j0, i64 n, i64 rows,
-            bool positions_partial) const {
-    const i64 ld = s.ld_rows, nq = w.q1 - w.q0;
+            bool positions_partial, float* st, i64 rs, i64 ks) const {
+    const i64 nq = w.q1 - w.q0;
     const MaskView& mask = p_.mask;
     if (mask.kind == MaskKind::keep_keys)
       for (i64 jj = 0; jj < n; ++jj)
-        if (!mask.keeps_key(b, j0 + jj)) std::fill(s.st + jj * ld, s.st + (jj + 1) * ld, kNegInf);
+        if (!mask.keeps_key(b, j0 + jj))
+          for (i64 r = 0; r < rows; ++r) st[r * rs + jj * ks] = kNegInf;
     const bool dense = mask.kind == MaskKind::keep_dense || mask.kind == MaskKind::additive;
     if (!positions_partial && !dense) return;
     const TensorView& m = mask.view;
     for (i64 r = 0; r < rows; ++r) {
-      float* col = s.st + r;
+      float* row = st + r * rs;
       const i64 visible = std::clamp<i64>(s.kend[r] - j0, 0, n);
-      for (i64 jj = visible; jj < n; ++jj) col[jj * ld] = kNegInf;
+      for (i64 jj = visible; jj < n; ++jj) row[jj * ks] = kNegInf;
       if (!dense) continue;
       const i64 h = w.h0 + r / nq, i = w.q0 + r % nq;
       const i64 base = b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + j0 * m.stride(3);
       if (mask.kind == MaskKind::keep_dense) {
         const auto* bytes = static_cast<const std::uint8_t*>(m.data());
         for (i64 jj = 0; jj < visible; ++jj)
-          if (bytes[base + jj * m.stride(3)] == 0) col[jj * ld] = kNegInf;
+          if (bytes[base + jj * m.stride(3)] == 0) row[jj * ks] = kNegInf;
       } else {
         for (i64 jj = 0; jj < visible; ++jj)
-          col[jj * ld] += load_as_f32(m.data(), m.dtype(), base + jj * m.stride(3));
+          row[jj * ks] += load_as_f32(m.data(), m.dtype(), base + jj * m.stride(3));
       }
     }
   }
@@ -586,7 +621,8 @@ class FlashImpl final : public Impl {
     const i64 rows_p =
         round_up(plan->block.heads * plan->block.rows_per_head, plan->kernels.row_align);
     plan->workspace_bytes = Scratch::workspace_bytes(plan->kernels, rows_p, p.d, plan->dv_padded);
-    plan->scratch_floats = Scratch::floats(rows_p, p.d, plan->dv_padded, plan->workspace_bytes);
+    plan->scratch_floats = Scratch::floats(rows_p, p.d, plan->dv_padded, plan->workspace_bytes,
+                                           plan->kernels.attend == nullptr);
     return plan;
   }
 

@@ -1,36 +1,20 @@
-// The per-engine hot loops of the FLASH backend. The driver (flash.cpp) packs tiles and keeps
-// the online-softmax state; these functions do the arithmetic.
+// The per-engine hot loops of the FLASH backend, and the contract between them and the drivers
+// that feed them (FLASH, flash.cpp; VIDEO_SPARSE, video_sparse.cpp).
 //
-// The logits are computed transposed, S^T = K . Q^T, so that K and V tiles stay row-major
-// (converting a tile is a copy, never a transposition) and the softmax runs across query rows
-// in SIMD lanes with no horizontal reductions.
+// The contract. A driver owns what is shared: packing K and V once per call into tiles of the
+// engine's format, the work list and the threads, which key tiles a work item visits (causal and
+// position limits, masks that hide whole tiles, block-sparse maps), the per-tile logits hook that
+// applies what a tile's positions and masks hide or add, and the row writer. An engine owns a
+// work item's inner loop (TileKernels::attend): given the item's packed queries and a producer
+// of its key tiles (ItemKeys), it computes the online softmax and P.V in the layout that suits
+// its instructions, calls the hook on the tiles that need it, and leaves the item's running
+// (O, m, l) for the driver to write. The f32 engines and avx512_bf16 use attend_tile_by_tile
+// below (S^T in SIMD lanes, their qk / softmax_tile / pv per tile); the amx engine has its own
+// (S rows as tiles, key panels of several tiles, cpu/amx_impl.hpp).
 //
-// Layout contracts of the f32 tiles the driver hands over (row-major, strides in floats):
-//   K   [keys][d]        key rows of one tile, converted to f32; columns d.. up to ldk zero
-//   QT  [d][rows_p]      query rows transposed, pre-scaled by softmax_scale;
-//                        rows_p a multiple of row_align, padding rows zero
-//   ST  [keys][rows_p]   logits in natural units (-inf = hidden; a dot product that is not
-//                        finite is stored as NaN), then probabilities
-//
-// Natural units, not log2 ones: a finite additive mask as low as -FLT_MAX (torch.finfo.min)
-// must stay finite, and scaling it by log2(e) would overflow to -inf (docs/semantics.md).
-//   V   [keys][dv]       value rows; dv a multiple of col_align, columns past the real dv zero
-//   O   [rows_p][dv]     running un-normalised output (rows past `rows` are scratch)
-//
-// K and V panels. The driver converts the key rows of a call once (not once per query block):
-// for every (segment, KV head) it packs the keys tile by tile, kTileKeys keys per tile, into a
-// per-call panel in the engine's format, and hands qk and pv a tile of it. The f32 engines'
-// format is the f32 rows themselves (K [keys][ldk], V [keys][ldv], padded strides; pack_k and
-// pack_v are nullptr and the driver converts straight into the panel); the bf16 engines pack
-// the f32 rows into bf16 pairs (bf16_dot_impl.hpp, amx_impl.hpp), each tile `k_tile_bytes` /
-// `v_tile_bytes` bytes, 64-byte aligned.
-//
-// Engines that compute in their own operand formats (the bf16 engines) also own a per-thread
-// workspace of workspace_bytes() bytes, 64-byte aligned, that the driver passes to pack_q (once
-// per work item, after QT is filled), qk and pv. Such engines take QT unscaled and multiply the
-// logits by `logit_scale` (given to pack_q) in f32 after the dot products, so that the bf16
-// operands of bf16 inputs are the inputs themselves, exactly. The f32 engines have no
-// workspace (nullptr) and get QT pre-scaled.
+// The tile-by-tile engines compute the logits transposed, S^T = K . Q^T, so that K and V tiles
+// stay row-major (converting a tile is a copy, never a transposition) and the softmax runs
+// across query rows in SIMD lanes with no horizontal reductions.
 #pragma once
 
 #include <cstddef>
@@ -46,6 +30,51 @@ inline constexpr int kTileKeys = 64;
 // How far above a row's largest logit its softmax reference m is set when it rises (natural
 // units): probabilities of the largest logits are e^-8, far from f32's and bf16's underflow.
 inline constexpr float kMaxHeadroom = 8.0f;
+
+struct TileKernels;
+// The most tiles an engine holds at once (TileKernels::panel_tiles).
+inline constexpr int kMaxPanelTiles = 8;
+
+// One key tile of a work item as its driver hands it to the engine.
+struct KeyTile {
+  const void* k;  // the K tile in the engine's format (f32 rows of stride ItemState::ld_k for
+  const void* v;  // the f32 engines); the V tile likewise
+  int keys;       // 1..kTileKeys
+  // The driver must see the tile's logits before the softmax (ItemKeys::logits): some of its
+  // keys lie past a row's position limit, or a mask hides or shifts some of them.
+  bool hook;
+  std::int64_t j0;  // the driver's index of its first key (for the hook)
+};
+
+// The key tiles of one work item, produced on demand. tile(ctx, n) returns tile n (asked for in
+// order n = 0, 1, ...) or nullptr after the last; a returned tile stays valid until
+// TileKernels::panel_tiles later calls. logits(ctx, tile, s, row_stride, key_stride) sees the
+// tile's logits in natural units (scaled, not yet exponentiated), s[r * row_stride + j *
+// key_stride] for the item's rows r < rows and the tile's keys j < keys: it sets those a row
+// may not see to -inf and adds additive mask terms. Natural units, so that a finite mask as low
+// as -FLT_MAX stays finite (see below).
+struct ItemKeys {
+  const KeyTile* (*tile)(void* ctx, int n);
+  void (*logits)(void* ctx, const KeyTile& tile, float* s, std::int64_t row_stride,
+                 std::int64_t key_stride);
+  void* ctx;
+};
+
+// A work item's state: its queries (QT, and the engine's workspace after pack_q), f32 scratch
+// for one tile's S^T, and its running output: O [rows_p][ld_o] (un-normalised), m and l per row
+// (natural units; the row writer's rule, tile_io.hpp), alpha scratch per row. O, m and l come in
+// as zeros, -inf and zeros.
+struct ItemState {
+  const float* qt;
+  float* st;
+  std::int64_t ld_rows;  // of qt and st
+  float* o;
+  std::int64_t ld_o;
+  float *m, *l, *alpha;
+  int rows, rows_p, d, dv;  // dv: padded to col_align
+  std::int64_t ld_k, ld_v;  // the f32 engines' K and V tile strides
+  void* ws;
+};
 
 struct TileKernels {
   std::string_view engine;  // the engine's name (engines.hpp)
@@ -92,7 +121,42 @@ struct TileKernels {
   // (AMX: load the tile configuration / release the tiles); nullptr when not needed.
   void (*thread_begin)() = nullptr;
   void (*thread_end)() = nullptr;
+
+  // The online softmax over S rows (the layout of engines that compute S = Q.K^T, query rows
+  // as rows): for each of `rows` rows of s (stride lds) over keys [0, keys): with `raw` the
+  // entries are unscaled dot products x (a logit is x * scale; an x that is not finite poisons
+  // the row, as qk's NaN rule), else natural-unit logits (scaled, hooked; -inf = hidden, scale
+  // ignored). Updates m, l and alpha by softmax_tile's rule and leaves the probabilities in s,
+  // zeros up to keys rounded up to 16 (s has room for them). The scale is folded into the
+  // exponent's multiply where m * log2(e) is finite.
+  void (*softmax_rows)(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
+                       float* m, float* l, float* alpha) = nullptr;
+  // A work item's inner loop (the contract above); nullptr: attend_tile_by_tile. panel_tiles:
+  // how many tiles of ItemKeys the engine holds at once.
+  void (*attend)(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) = nullptr;
+  int panel_tiles = 1;
 };
+
+// The inner loop of the engines that work tile by tile on S^T: qk, the hook where the tile asks
+// for it, softmax_tile, pv.
+inline void attend_tile_by_tile(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) {
+  for (int n = 0;; ++n) {
+    const KeyTile* t = keys.tile(keys.ctx, n);
+    if (t == nullptr) return;
+    kk.qk(t->k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, t->keys, s.rows_p, s.d, s.ws);
+    if (t->hook) keys.logits(keys.ctx, *t, s.st, 1, s.ld_rows);
+    kk.softmax_tile(s.st, s.ld_rows, t->keys, s.rows_p, s.m, s.l, s.alpha);
+    kk.pv(s.st, s.ld_rows, t->v, s.ld_v, s.o, s.ld_o, s.alpha, s.rows, t->keys, s.dv, s.ws);
+  }
+}
+
+// Runs a work item on the engine's inner loop.
+inline void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) {
+  if (kk.attend != nullptr)
+    kk.attend(kk, keys, s);
+  else
+    attend_tile_by_tile(kk, keys, s);
+}
 
 // The parts of a TileKernels a bf16 engine supplies (cpu/bf16_dot_impl.hpp,
 // cpu/amx_impl.hpp), and the table they make with the softmax and row conversions of `base`.
@@ -108,6 +172,8 @@ struct Bf16Functions {
   int align;
   decltype(TileKernels::thread_begin) thread_begin = nullptr;
   decltype(TileKernels::thread_end) thread_end = nullptr;
+  decltype(TileKernels::attend) attend = nullptr;
+  int panel_tiles = 1;
 };
 inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels& base,
                                      const Bf16Functions& f) {
@@ -124,6 +190,8 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
   k.pack_v = f.pack_v;
   k.thread_begin = f.thread_begin;
   k.thread_end = f.thread_end;
+  k.attend = f.attend;
+  k.panel_tiles = f.panel_tiles;
   return k;
 }
 

@@ -1,12 +1,12 @@
 // VIDEO_SPARSE: block-sparse attention over a video token layout (docs/semantics.md, "Video token
-// layout and VIDEO_SPARSE") on FLASH's micro-kernels.
+// layout and VIDEO_SPARSE") on FLASH's engines and their inner loops.
 //
 // A call: tile the sequence (cached per layout), select key blocks per (batch, head, query
 // block), then for each (batch, KV head) convert that head's K and V rows once, in tile order,
 // into one f32 buffer (so every selected block is a contiguous run of rows and neighbouring
-// selected tiles merge into longer runs), and run the online softmax of each query block over
-// its selected runs only. Query rows are gathered from and written back to their sequence rows;
-// padding rows output zero.
+// selected tiles merge into longer runs), and run the engine's inner loop (flash/kernels.hpp,
+// the contract) for each query block over its selected runs only, cut into 64-key chunks. Query
+// rows are gathered from and written back to their sequence rows; padding rows output zero.
 #include "backends/sparse/video_sparse.hpp"
 
 #include <omp.h>
@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -83,16 +84,23 @@ struct Piece {
 };
 
 struct Tile {
-  float *qt, *st, *o, *m, *l, *alpha, *row, *coarse, *k, *v;
-  char* ok;
+  float *qt, *st, *o, *m, *l, *alpha, *row, *coarse;
   void* ws;  // the engine's workspace (64-byte aligned), or null
-  void* kv;  // the chunk packed in the engine's format (K then V), or null
+  // One key chunk per slot (the engine holds up to panel_tiles at once): its gathered f32 rows
+  // (K [kBlockKeys][ld_k], V [kBlockKeys][ld_v]), which of them are visible, and the chunk
+  // packed in the engine's format (K then V; null for the f32 engines).
+  struct Slot {
+    float *k, *v;
+    char* ok;
+    void* kv;
+  };
+  std::array<Slot, flash::kMaxPanelTiles> slots;
   i64 ld_rows, ld_o;
   // ld_k, ld_v: the packed rows' strides (gathered chunks keep them).
   static std::size_t floats(i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes,
-                            std::size_t kv_bytes) {
+                            std::size_t kv_bytes, int slots) {
     ScratchLayout count;
-    (void)carve(count, d, dvp, ld_k, ld_v, ws_bytes, kv_bytes);
+    (void)carve(count, d, dvp, ld_k, ld_v, ws_bytes, kv_bytes, slots);
     return count.floats();
   }
   static void* aligned(ScratchLayout& at, std::size_t bytes) {
@@ -102,10 +110,9 @@ struct Tile {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(raw) + 63) / 64 * 64);
   }
   static Tile carve(ScratchLayout& at, i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes,
-                    std::size_t kv_bytes) {
+                    std::size_t kv_bytes, int slots) {
     Tile t{};
     t.ws = aligned(at, ws_bytes);
-    t.kv = aligned(at, kv_bytes);
     t.ld_rows = kMaxRows + kStridePad;
     t.ld_o = dvp + kStridePad;
     t.qt = at.take(d * t.ld_rows);
@@ -116,9 +123,13 @@ struct Tile {
     t.alpha = at.take(kMaxRows);
     t.row = at.take(std::max(d, dvp));
     t.coarse = at.take(std::max(d, dvp));
-    t.k = at.take(kBlockKeys * ld_k);
-    t.v = at.take(kBlockKeys * ld_v);
-    t.ok = reinterpret_cast<char*>(at.take(kBlockKeys / i64(sizeof(float)) + 1));
+    for (int n = 0; n < slots; ++n) {
+      Slot& slot = t.slots[std::size_t(n)];
+      slot.kv = aligned(at, kv_bytes);
+      slot.k = at.take(kBlockKeys * ld_k);
+      slot.v = at.take(kBlockKeys * ld_v);
+      slot.ok = reinterpret_cast<char*>(at.take(kBlockKeys / i64(sizeof(float)) + 1));
+    }
     return t;
   }
 };
@@ -191,12 +202,77 @@ struct Call {
     }
   }
 
+  // The chunks of one item as the engine's key tiles (flash::ItemKeys); KeyTile::j0 is the
+  // slot that holds the chunk.
+  struct SelectedChunks {
+    const Call& call;
+    Tile& s;
+    const std::vector<Piece>& pieces;
+    const std::vector<std::pair<std::size_t, std::size_t>>& chunks;  // [first, end) pieces
+    int rows;
+    std::size_t c = 0;  // the next chunk
+    std::array<flash::KeyTile, flash::kMaxPanelTiles> ring{};
+
+    void prefetch_chunk(std::size_t n) const {
+      for (std::size_t i = chunks[n].first; i < chunks[n].second; ++i)
+        call.prefetch(pieces[i].j0, pieces[i].n);
+    }
+    static const flash::KeyTile* next(void* ctx, int n) {
+      auto& t = *static_cast<SelectedChunks*>(ctx);
+      const Call& call = t.call;
+      const SparsePlan& plan = call.plan;
+      const int slot_index = n % call.kk().panel_tiles;
+      Tile::Slot& slot = t.s.slots[std::size_t(slot_index)];
+      for (; t.c < t.chunks.size();) {
+        const std::size_t c = t.c++;
+        if (c + 2 < t.chunks.size()) t.prefetch_chunk(c + 2);
+        i64 keys = 0;
+        for (std::size_t i = t.chunks[c].first; i < t.chunks[c].second; ++i) {
+          const Piece& piece = t.pieces[i];
+          std::copy_n(call.k_packed + piece.j0 * plan.ld_k, piece.n * plan.ld_k,
+                      slot.k + keys * plan.ld_k);
+          std::copy_n(call.v_packed + piece.j0 * plan.ld_v, piece.n * plan.ld_v,
+                      slot.v + keys * plan.ld_v);
+          std::copy_n(call.key_ok.data() + piece.j0, piece.n, slot.ok + keys);
+          keys += piece.n;
+        }
+        bool any = false, all = true;
+        for (i64 jj = 0; jj < keys; ++jj) {
+          any = any || slot.ok[jj];
+          all = all && slot.ok[jj];
+        }
+        if (!any) continue;
+        const void* k_tile = slot.k;
+        const void* v_tile = slot.v;
+        if (call.kk().pack_k != nullptr) {
+          auto* kv = static_cast<unsigned char*>(slot.kv);
+          call.kk().pack_k(slot.k, plan.ld_k, int(keys), int(call.p.d), kv);
+          call.kk().pack_v(slot.v, plan.ld_v, int(keys), int(plan.dv_padded),
+                           kv + plan.k_tile_bytes);
+          k_tile = kv;
+          v_tile = kv + plan.k_tile_bytes;
+        }
+        flash::KeyTile& tile = t.ring[std::size_t(slot_index)];
+        tile = {k_tile, v_tile, int(keys), !all, slot_index};
+        return &tile;
+      }
+      return nullptr;
+    }
+    static void logits(void* ctx, const flash::KeyTile& tile, float* st, i64 rs, i64 ks) {
+      auto& t = *static_cast<SelectedChunks*>(ctx);
+      const char* ok = t.s.slots[std::size_t(tile.j0)].ok;
+      for (i64 jj = 0; jj < tile.keys; ++jj)
+        if (!ok[jj])
+          for (i64 r = 0; r < t.rows; ++r) st[r * rs + jj * ks] = kNegInf;
+    }
+  };
+
   void process(i64 b, const Item& it, float* scratch) const {
     const i64 d = p.d, dvp = plan.dv_padded, nrows = it.count;
     const i64 rows_p = round_up(nrows, kk().row_align);
     ScratchLayout layout(scratch);
     Tile s = Tile::carve(layout, d, dvp, plan.ld_k, plan.ld_v, plan.workspace_bytes,
-                         plan.k_tile_bytes + plan.v_tile_bytes);
+                         plan.k_tile_bytes + plan.v_tile_bytes, kk().panel_tiles);
     // Engines with their own operand formats take Q unscaled and scale the logits in f32.
     const bool own_format = kk().pack_q != nullptr;
     const float q_scale = own_format ? 1.0f : qscale;
@@ -246,45 +322,16 @@ struct Call {
         j0 += take;
       }
     }
-    const auto prefetch_chunk = [&](std::size_t c) {
-      for (std::size_t n = chunks[c].first; n < chunks[c].second; ++n)
-        prefetch(pieces[n].j0, pieces[n].n);
-    };
-    if (chunks.size() > 1) prefetch_chunk(1);
-    for (std::size_t c = 0; c < chunks.size(); ++c) {
-      if (c + 2 < chunks.size()) prefetch_chunk(c + 2);
-      i64 keys = 0;
-      for (std::size_t n = chunks[c].first; n < chunks[c].second; ++n) {
-        const Piece& piece = pieces[n];
-        std::copy_n(k_packed + piece.j0 * plan.ld_k, piece.n * plan.ld_k, s.k + keys * plan.ld_k);
-        std::copy_n(v_packed + piece.j0 * plan.ld_v, piece.n * plan.ld_v, s.v + keys * plan.ld_v);
-        std::copy_n(key_ok.data() + piece.j0, piece.n, s.ok + keys);
-        keys += piece.n;
-      }
-      bool any = false, all = true;
-      for (i64 jj = 0; jj < keys; ++jj) {
-        any = any || s.ok[jj];
-        all = all && s.ok[jj];
-      }
-      if (!any) continue;
-      const void* k_tile = s.k;
-      const void* v_tile = s.v;
-      if (kk().pack_k != nullptr) {
-        auto* kv = static_cast<unsigned char*>(s.kv);
-        kk().pack_k(s.k, plan.ld_k, int(keys), int(d), kv);
-        kk().pack_v(s.v, plan.ld_v, int(keys), int(dvp), kv + plan.k_tile_bytes);
-        k_tile = kv;
-        v_tile = kv + plan.k_tile_bytes;
-      }
-      kk().qk(k_tile, plan.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, int(keys), int(rows_p), int(d),
-              s.ws);
-      if (!all)
-        for (i64 jj = 0; jj < keys; ++jj)
-          if (!s.ok[jj]) std::fill(s.st + jj * s.ld_rows, s.st + (jj + 1) * s.ld_rows, kNegInf);
-      kk().softmax_tile(s.st, s.ld_rows, int(keys), int(rows_p), s.m, s.l, s.alpha);
-      kk().pv(s.st, s.ld_rows, v_tile, plan.ld_v, s.o, s.ld_o, s.alpha, int(nrows), int(keys),
-              int(dvp), s.ws);
-    }
+    // The engine's inner loop (flash/kernels.hpp, the contract) over the chunks, produced one
+    // by one: gathered, packed in the engine's format, chunks with no visible key skipped, and
+    // the hook hiding the keys a chunk holds but may not show.
+    SelectedChunks produce{*this, s, pieces, chunks, int(nrows)};
+    const flash::ItemKeys keys{&SelectedChunks::next, &SelectedChunks::logits, &produce};
+    const flash::ItemState state{s.qt,   s.st,     s.ld_rows, s.o,        s.ld_o,
+                                 s.m,    s.l,      s.alpha,   int(nrows), int(rows_p),
+                                 int(d), int(dvp), plan.ld_k, plan.ld_v,  s.ws};
+    if (chunks.size() > 1) produce.prefetch_chunk(1);
+    flash::attend(kk(), keys, state);
 
     const bool gated = gate.has_value();
     if (gated) coarse(b, h, it.qblock, s.coarse);
@@ -396,7 +443,7 @@ class VideoSparseImpl final : public Impl {
     }
     plan->scratch_floats =
         Tile::floats(p.d, plan->dv_padded, plan->ld_k, plan->ld_v, plan->workspace_bytes,
-                     plan->k_tile_bytes + plan->v_tile_bytes);
+                     plan->k_tile_bytes + plan->v_tile_bytes, kk.panel_tiles);
     return plan;
   }
 

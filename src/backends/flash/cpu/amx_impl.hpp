@@ -10,23 +10,35 @@
 // releases them) and ensure() (begin() unless this thread already did).
 //
 // Tiles 0-3 accumulate a 32 x 32 block of f32 (2 x 2 tiles of 16 x 16), 4-5 hold A, 6-7 hold B:
-// one tile load per multiply. Layouts (a pair: the even element in the low 16 bits):
-//   K tile (panel)  [kTileKeys][d2p]     pairs over d of each key, d2p = round_up(d / 2, 16);
-//                                        zeros past d and past the tile's keys (A of S^T)
+// one tile load per multiply. The engine owns its inner loop (kernels.hpp, TileKernels::attend):
+// it computes S = Q.K^T with query rows as rows, so that the probabilities come out as rows
+// that are directly the A operand of P.V (no transposition), over key panels of up to
+// kPanelTiles tiles, and O goes through the tiles once per panel. Layouts (a pair: the even
+// element in the low 16 bits):
+//   K tile (panel)  [d2p][kTileKeys]     pairs over d, one column per key, d2p =
+//                                        round_up(d / 2, 16); zeros past d and past the tile's
+//                                        keys (B of S = Q.K^T)
 //   V tile (panel)  [kTileKeys/2][dv]    pairs of key rows 2j, 2j + 1 per column; zeros past
 //                                        the tile's keys (B of P.V)
-//   workspace: q    [d2p][rows_p]        pairs of QT over d, unscaled (B of S^T = K.Q^T)
-//              pt   [kTileKeys/2][rows_p] probabilities as pairs over keys, per row
-//              p    [rows_p][kTileKeys/2] the same transposed: rows of P (A of P.V)
-// S^T = K.Q^T lands in ST as 16 x 16 f32 tiles; the logits are then scaled and checked in
-// vectors; the softmax is the AVX-512 one; P.V rescales O by alpha in vectors and accumulates
-// into O's 32 x 32 blocks loaded into the tiles.
+//   workspace: q    [rows_p][d2p]        query rows as pairs over d, unscaled (A of S)
+//              s    [rows_p][kLdS]       a panel's logits (f32), then its probabilities
+//              p    [rows_p][kLdP]       the probabilities as pairs over keys (A of P.V)
+//              qt   [d2p][rows_p]        pairs of QT over d (pack_q's step to q, in s's bytes)
+// A panel's logits are scaled in the softmax's exponent (natural units where the driver's hook
+// must see them: scaled in vectors first, with qk's NaN rule); P.V rescales O by alpha in vectors
+// (when a row's reference moved) and accumulates into O's 32 x 32 blocks loaded into the tiles.
 
 constexpr int kPairsPerTile = 16;  // a tile row: 64 bytes = 16 pairs = 32 bf16
 constexpr int kKeyPairs = kTileKeys / 2;
+// Key tiles per panel: the logits of 4 x 64 keys per row (128 rows: 136 KiB) and their pairs.
+constexpr int kPanelTiles = 4;
+constexpr int kLdS = kPanelTiles * kTileKeys + 16;  // floats
+constexpr int kLdP = kPanelTiles * kKeyPairs + 16;  // pairs
+static_assert(kPanelTiles <= kMaxPanelTiles);
 
 struct Workspace {
-  std::uint32_t *q, *pt, *p;
+  std::uint32_t *q, *p, *qt;
+  float* s;
   int rows_p, d2p;
   float scale;
 };
@@ -35,14 +47,16 @@ inline int d2_padded(int d) {
   return ((d + 1) / 2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
 }
 
+// qt is only pack_q's step: it shares s's bytes.
 struct Sizes {
-  std::size_t head, q, pt, p;
-  std::size_t total() const { return head + q + pt + p; }
+  std::size_t head, q, s, p;
+  std::size_t total() const { return head + q + s + p; }
 };
 inline Sizes sizes(int rows_p, int d) {
   const std::size_t u = sizeof(std::uint32_t), rp = std::size_t(rows_p);
-  return {align64(sizeof(Workspace)), align64(std::size_t(d2_padded(d)) * rp * u),
-          align64(std::size_t(kKeyPairs) * rp * u), align64(rp * kKeyPairs * u)};
+  const std::size_t q = align64(std::size_t(d2_padded(d)) * rp * u);
+  return {align64(sizeof(Workspace)), q, std::max(align64(rp * kLdS * sizeof(float)), q),
+          align64(rp * kLdP * u)};
 }
 inline std::size_t workspace_bytes(int rows_p, int d, int /*dv*/) {
   return sizes(rows_p, d).total();
@@ -54,16 +68,25 @@ inline std::size_t v_tile_bytes(int dv) {
   return align64(std::size_t(kKeyPairs) * std::size_t(dv) * sizeof(std::uint32_t));
 }
 
+// Pairs over d of each key row (a [kTileKeys][d2p] block in this thread's scratch), then
+// transposed in 16 x 16 blocks into the tile's columns.
 template <class D>
 void pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
   const int d2 = (d + 1) / 2, d2p = d2_padded(d);
-  auto* dst = static_cast<std::uint32_t*>(tile);
+  thread_local std::vector<std::uint32_t> rows;
+  rows.resize(std::size_t(kTileKeys) * std::size_t(d2p));
+  std::uint32_t* by_key = rows.data();
   for (int j = 0; j < keys; ++j) {
-    std::uint32_t* row = dst + std::int64_t(j) * d2p;
+    std::uint32_t* row = by_key + std::int64_t(j) * d2p;
     pack_row_pairs<D>(k + j * ld, d, row);
     std::fill(row + d2, row + d2p, 0u);
   }
-  std::fill(dst + std::int64_t(keys) * d2p, dst + std::int64_t(kTileKeys) * d2p, 0u);
+  std::fill(by_key + std::int64_t(keys) * d2p, by_key + std::int64_t(kTileKeys) * d2p, 0u);
+  auto* dst = static_cast<std::uint32_t*>(tile);
+  for (int j0 = 0; j0 < kTileKeys; j0 += 16)
+    for (int e0 = 0; e0 < d2p; e0 += 16)
+      D::transpose16(by_key + std::int64_t(j0) * d2p + e0, d2p,
+                     dst + std::int64_t(e0) * kTileKeys + j0, kTileKeys);
 }
 
 template <class D>
@@ -77,13 +100,19 @@ void pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int /*dv*/, f
   const Sizes s = sizes(rows_p, d);
   auto* base = static_cast<unsigned char*>(ws);
   auto* w = static_cast<Workspace*>(ws);
-  w->q = reinterpret_cast<std::uint32_t*>(base + s.head);
-  w->pt = reinterpret_cast<std::uint32_t*>(base + s.head + s.q);
-  w->p = reinterpret_cast<std::uint32_t*>(base + s.head + s.q + s.pt);
+  std::size_t at = s.head;
+  w->q = reinterpret_cast<std::uint32_t*>(base + at);
+  w->s = reinterpret_cast<float*>(base + (at += s.q));
+  w->p = reinterpret_cast<std::uint32_t*>(base + at + s.s);
+  w->qt = reinterpret_cast<std::uint32_t*>(w->s);
   w->rows_p = rows_p;
   w->d2p = d2_padded(d);
   w->scale = logit_scale;
-  pack_row_pairs_of_rows<D>(qt, ldqt, d, rows_p, w->d2p, w->q);
+  pack_row_pairs_of_rows<D>(qt, ldqt, d, rows_p, w->d2p, w->qt);
+  for (int e0 = 0; e0 < w->d2p; e0 += 16)
+    for (int r0 = 0; r0 < rows_p; r0 += 16)
+      D::transpose16(w->qt + std::int64_t(e0) * rows_p + r0, rows_p,
+                     w->q + std::int64_t(r0) * w->d2p + e0, w->d2p);
 }
 
 // The 32 x 32 f32 block at c (row stride ldc floats) as accumulator tiles 0-3 (0: rows 0-15,
@@ -104,6 +133,13 @@ inline void store_block(float* c, std::int64_t ldc) {
   T::template store<2>(c + 16 * ldc, stride);
   T::template store<3>(c + 16 * ldc + 16, stride);
 }
+template <class T>
+inline void zero_block() {
+  T::template zero<0>();
+  T::template zero<1>();
+  T::template zero<2>();
+  T::template zero<3>();
+}
 
 // One step over 16 pairs of the block's products: A's rows 0-15 at a and 16-31 at a + 16 rows
 // (stride lda pairs), B's columns 0-15 at b and 16-31 at b + 16 (stride ldb pairs).
@@ -120,69 +156,98 @@ inline void multiply_block(const std::uint32_t* a, std::int64_t lda, const std::
   T::template dp<3, 5, 7>();
 }
 
+// TileKernels::attend: a work item panel by panel.
 template <class T, class D>
-void qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std::int64_t /*ldqt*/,
-        float* st, std::int64_t ldst, int keys, int rows_p, int /*d*/, void* ws) {
+void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
   T::ensure();
-  const Workspace& w = *static_cast<const Workspace*>(ws);
-  const auto* k = static_cast<const std::uint32_t*>(k_tile);
-  const int d2p = w.d2p;
-  for (int kb = 0; kb < keys; kb += 32)  // the K tile holds zeros up to kTileKeys keys
-    for (int r0 = 0; r0 < rows_p; r0 += 32) {
-      T::template zero<0>();
-      T::template zero<1>();
-      T::template zero<2>();
-      T::template zero<3>();
-      for (int e = 0; e < d2p; e += kPairsPerTile)
-        multiply_block<T>(k + std::int64_t(kb) * d2p + e, d2p, w.q + std::int64_t(e) * rows_p + r0,
-                          rows_p);
-      store_block<T>(st + std::int64_t(kb) * ldst + r0, ldst);
+  const Workspace& w = *static_cast<const Workspace*>(st.ws);
+  const int rows_p = st.rows_p, dv = st.dv, d2p = w.d2p;
+  const KeyTile* panel[kPanelTiles];
+  bool first = true, done = false;
+  int next = 0;
+  while (!done) {
+    // Up to kPanelTiles tiles, all full but the last, so that the panel's keys are contiguous.
+    int count = 0, total = 0;
+    bool hook = false;
+    while (count < kPanelTiles) {
+      const KeyTile* t = keys.tile(keys.ctx, next++);
+      if (t == nullptr) {
+        done = true;
+        break;
+      }
+      panel[count++] = t;
+      total += t->keys;
+      hook = hook || t->hook;
+      if (t->keys < kTileKeys) break;
     }
-  // Scale in f32 (the bf16 operands are the unscaled inputs); a logit that is not finite
-  // becomes NaN (kernels.hpp).
-  const auto sc = D::set1(w.scale);
-  for (int j = 0; j < keys; ++j)
-    for (int r = 0; r < rows_p; r += D::W)
-      D::store(st + j * ldst + r, D::not_finite_to_nan(D::mul(D::load(st + j * ldst + r), sc)));
-}
+    if (count == 0) break;
 
-template <class T, class D>
-void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*ldv*/, float* o,
-        std::int64_t ldo, const float* alpha, int /*rows*/, int keys, int dv, void* ws) {
-  T::ensure();
-  const Workspace& w = *static_cast<const Workspace*>(ws);
-  const auto* v = static_cast<const std::uint32_t*>(v_tile);
-  const int rows_p = w.rows_p, k2 = (keys + 1) / 2;
-  const int k2p = (k2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
-  // Probabilities as pairs over keys (zeros past the tile's keys), then transposed into rows.
-  pack_row_pairs_of_rows<D>(pt, ldpt, keys, rows_p, k2p, w.pt);
-  for (int r0 = 0; r0 < rows_p; r0 += 16)
-    for (int c0 = 0; c0 < k2p; c0 += 16)
-      D::transpose16(w.pt + std::int64_t(c0) * rows_p + r0, rows_p, w.p + r0 * kKeyPairs + c0,
-                     kKeyPairs);
-  // O *= alpha row by row (every row of the padded block: the tiles read 32 rows at a time),
-  // unless no row's reference moved (the lazy max of softmax_tile: most tiles).
-  bool moved = false;
-  for (int r = 0; r < rows_p; ++r) moved = moved || alpha[r] != 1.0f;
-  for (int r = 0; moved && r < rows_p; ++r) {
-    const auto a = D::set1(alpha[r]);
-    for (int c = 0; c < dv; c += D::W)
-      D::store(o + r * ldo + c, D::mul(D::load(o + r * ldo + c), a));
-  }
-  for (int r0 = 0; r0 < rows_p; r0 += 32)
-    for (int c0 = 0; c0 < dv; c0 += 32) {
-      float* ob = o + std::int64_t(r0) * ldo + c0;
-      load_block<T>(ob, ldo);
-      for (int e = 0; e < k2p; e += kPairsPerTile)
-        multiply_block<T>(w.p + std::int64_t(r0) * kKeyPairs + e, kKeyPairs,
-                          v + std::int64_t(e) * dv + c0, dv);
-      store_block<T>(ob, ldo);
+    // S = Q.K^T, 32 x 32 blocks: rows [r0, r0 + 32) x keys [kb, kb + 32) of each tile.
+    for (int r0 = 0; r0 < rows_p; r0 += 32)
+      for (int c = 0; c < count; ++c) {
+        const auto* kt = static_cast<const std::uint32_t*>(panel[c]->k);
+        for (int kb = 0; kb < panel[c]->keys; kb += 32) {
+          zero_block<T>();
+          for (int e = 0; e < d2p; e += kPairsPerTile)
+            multiply_block<T>(w.q + std::int64_t(r0) * d2p + e, d2p,
+                              kt + std::int64_t(e) * kTileKeys + kb, kTileKeys);
+          store_block<T>(w.s + std::int64_t(r0) * kLdS + c * kTileKeys + kb, kLdS);
+        }
+      }
+
+    // The softmax: the scale folded into the exponent, unless the driver must see the logits.
+    if (hook) {
+      const auto sc = D::set1(w.scale);
+      const int width = (total + 15) / 16 * 16;
+      for (int r = 0; r < rows_p; ++r)
+        for (int j = 0; j < width; j += D::W) {
+          float* at = w.s + std::int64_t(r) * kLdS + j;
+          D::store(at, D::not_finite_to_nan(D::mul(D::load(at), sc)));
+        }
+      for (int c = 0; c < count; ++c)
+        if (panel[c]->hook) keys.logits(keys.ctx, *panel[c], w.s + c * kTileKeys, kLdS, 1);
     }
+    kk.softmax_rows(w.s, kLdS, rows_p, total, w.scale, !hook, st.m, st.l, st.alpha);
+
+    // P as pairs over keys, zeros up to whole 16-pair steps.
+    const int k2 = (total + 1) / 2, k2p = (k2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
+    for (int r = 0; r < rows_p; ++r) {
+      std::uint32_t* prow = w.p + std::int64_t(r) * kLdP;
+      pack_row_pairs<D>(w.s + std::int64_t(r) * kLdS, total, prow);
+      std::fill(prow + k2, prow + k2p, 0u);
+    }
+
+    // O *= alpha for the rows whose reference moved (the lazy max: seldom after the first
+    // panels), then O += P.V through the tiles.
+    if (!first)
+      for (int r = 0; r < rows_p; ++r) {
+        if (st.alpha[r] == 1.0f) continue;
+        const auto a = D::set1(st.alpha[r]);
+        float* orow = st.o + std::int64_t(r) * st.ld_o;
+        for (int c = 0; c < dv; c += D::W) D::store(orow + c, D::mul(D::load(orow + c), a));
+      }
+    for (int r0 = 0; r0 < rows_p; r0 += 32)
+      for (int c0 = 0; c0 < dv; c0 += 32) {
+        float* ob = st.o + std::int64_t(r0) * st.ld_o + c0;
+        if (first)
+          zero_block<T>();
+        else
+          load_block<T>(ob, st.ld_o);
+        for (int e = 0; e < k2p; e += kPairsPerTile) {
+          const auto* v = static_cast<const std::uint32_t*>(panel[e / kKeyPairs]->v);
+          multiply_block<T>(w.p + std::int64_t(r0) * kLdP + e, kLdP,
+                            v + std::int64_t(e % kKeyPairs) * dv + c0, dv);
+        }
+        store_block<T>(ob, st.ld_o);
+      }
+    first = false;
+  }
 }
 
 template <class T, class D>
 constexpr Bf16Functions amx_functions() {
-  return {&qk<T, D>,     &pv<T, D>,  &workspace_bytes, &pack_q<D>, &k_tile_bytes,
-          &v_tile_bytes, &pack_k<D>, &pack_v<D>,       32,         &T::begin,
-          &T::end};
+  // No qk / pv: the engine has its own inner loop (attend).
+  return {nullptr,       nullptr,       &workspace_bytes, &pack_q<D>, &k_tile_bytes,
+          &v_tile_bytes, &pack_k<D>,    &pack_v<D>,       32,         &T::begin,
+          &T::end,       &attend<T, D>, kPanelTiles};
 }

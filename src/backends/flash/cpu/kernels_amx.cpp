@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "backends/flash/kernels.hpp"
 #include "core/amx_permission.hpp"

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "backends/flash/kernels.hpp"
 #include "dattn/dtype.hpp"

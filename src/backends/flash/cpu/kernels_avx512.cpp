@@ -38,6 +38,8 @@ struct Vec {
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
+  static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
   static reg select_zero_if_neg_inf(reg x) {
     const __mmask16 is_neg_inf =
         _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);

@@ -251,9 +251,107 @@ void store_row(const float* src, float scale, std::int64_t n, DType dtype, void*
   for (; i < n; ++i) store_from_f32(dst, dtype, i, src[i] * scale);
 }
 
+// Horizontal max and sum of a vector: V's own where it has them (hmax / hsum), else lane by
+// lane.
+template <class V>
+inline float reduce_max(typename V::reg r) {
+  if constexpr (requires { V::hmax(r); }) {
+    return V::hmax(r);
+  } else {
+    float lanes[V::W];
+    V::store(lanes, r);
+    float m = lanes[0];
+    for (int i = 1; i < V::W; ++i) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+  }
+}
+template <class V>
+inline float reduce_sum(typename V::reg r) {
+  if constexpr (requires { V::hsum(r); }) {
+    return V::hsum(r);
+  } else {
+    float lanes[V::W];
+    V::store(lanes, r);
+    float t = 0.0f;
+    for (int i = 0; i < V::W; ++i) t += lanes[i];
+    return t;
+  }
+}
+
+// TileKernels::softmax_rows: the rule of softmax_tile along rows instead of columns.
+template <class V>
+void softmax_rows(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw, float* m,
+                  float* l, float* alpha) {
+  using R = typename V::reg;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr float kLog2e = std::numbers::log2e_v<float>;
+  const int kp = (keys + 15) / 16 * 16;
+  // A negative or zero scale turns the order of the logits around: scale them first.
+  if (raw && !(scale > 0.0f)) {
+    const R sc = V::set1(scale), zero = V::zero();
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j + V::W <= kp; j += V::W) {
+        float* at = s + r * lds + j;
+        const R x = V::mul(V::load(at), sc);
+        V::store(at, V::fma(x, zero, x));  // not finite -> NaN
+      }
+    raw = false;
+  }
+  if (!raw) scale = 1.0f;
+  // Padding keys: hidden in natural units; in raw ones a finite value that no dot product
+  // passes (raw entries that are not finite poison the row).
+  const float pad = raw ? -std::numeric_limits<float>::max() : -kInf;
+  const R zero = V::zero();
+  for (int r = 0; r < rows; ++r) {
+    float* row = s + r * lds;
+    for (int j = keys; j < kp; ++j) row[j] = pad;
+    R mx0 = V::set1(-kInf), mx1 = mx0;
+    int j = 0;
+    for (; j + 2 * V::W <= kp; j += 2 * V::W) {
+      mx0 = V::max(mx0, V::load(row + j));
+      mx1 = V::max(mx1, V::load(row + j + V::W));
+    }
+    for (; j < kp; j += V::W) mx0 = V::max(mx0, V::load(row + j));
+    const float tile_max = reduce_max<V>(V::max(mx0, mx1)) * scale;
+    const float m_old = m[r];
+    const float m_new = tile_max > m_old ? tile_max + kMaxHeadroom : m_old;
+    const float m_use = m_new == -kInf ? 0.0f : m_new;
+    alpha[r] = std::exp(m_old - m_use);
+    m[r] = m_new;
+    // p = 2^(x * scale log2 e - m log2 e): one FMA where m log2 e is finite, else the
+    // difference first (a row whose logits are all near -FLT_MAX, a mask's finfo.min).
+    const float c = scale * kLog2e, b = -m_use * kLog2e;
+    const bool fold = std::isfinite(b) && std::isfinite(c);
+    const R vc = V::set1(c), vb = V::set1(b), vs = V::set1(scale), vm = V::set1(m_use),
+            vl = V::set1(kLog2e);
+    R sum0 = zero, sum1 = zero;
+    const auto prob = [&](R x) {
+      if (raw) x = V::fma(x, zero, x);  // a dot product that is not finite -> NaN
+      return fold ? V::exp2_nonpositive(V::fma(x, vc, vb))
+                  : V::exp2_nonpositive(V::mul(V::sub(V::mul(x, vs), vm), vl));
+    };
+    for (j = 0; j + 2 * V::W <= kp; j += 2 * V::W) {
+      const R p0 = prob(V::load(row + j)), p1 = prob(V::load(row + j + V::W));
+      V::store(row + j, p0);
+      V::store(row + j + V::W, p1);
+      sum0 = V::add(sum0, p0);
+      sum1 = V::add(sum1, p1);
+    }
+    for (; j < kp; j += V::W) {
+      const R p0 = prob(V::load(row + j));
+      V::store(row + j, p0);
+      sum0 = V::add(sum0, p0);
+    }
+    // The padding keys' probabilities: exactly zero (2^-inf; in raw units 2^(-FLT_MAX c)).
+    for (j = keys; j < kp; ++j) row[j] = 0.0f;
+    l[r] = l[r] * alpha[r] + reduce_sum<V>(V::add(sum0, sum1));
+  }
+}
+
 template <class V>
 constexpr TileKernels make_tile_kernels(std::string_view engine) {
   TileKernels k{engine,           2 * V::W, 2 * V::W,     &qk<V>,
                 &softmax_tile<V>, &pv<V>,   &load_row<V>, &store_row<V>};
+  k.softmax_rows = &softmax_rows<V>;
   return k;
 }
