@@ -43,7 +43,9 @@ struct KeyTile {
   // The driver must see the tile's logits before the softmax (ItemKeys::logits): some of its
   // keys lie past a row's position limit, or a mask hides or shifts some of them.
   bool hook;
-  std::int64_t j0;  // the driver's index of its first key (for the hook)
+  // The driver's reference for its hook (FLASH: the tile's first key; VIDEO_SPARSE: the slot
+  // that holds the chunk).
+  std::int64_t j0;
 };
 
 // The key tiles of one work item, produced on demand. tile(ctx, n) returns tile n (asked for in
