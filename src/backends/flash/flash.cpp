@@ -30,6 +30,7 @@
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
+#include "core/huge_page_buffer.hpp"
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
 #include "core/parallel_fault.hpp"
@@ -90,8 +91,8 @@ constexpr std::size_t kPanelBudget = std::size_t(64) << 20;
 // The panel buffers of every FLASH call in the process: a call leases one for its duration, so
 // memory held between calls is one buffer per call that ran at the same time, not one per layer
 // (a DiT has dozens of layers).
-detail::WorkspacePool<std::vector<float>>& panel_pool() {
-  static detail::WorkspacePool<std::vector<float>> pool;
+detail::WorkspacePool<detail::HugePageBuffer>& panel_pool() {
+  static detail::WorkspacePool<detail::HugePageBuffer> pool;
   return pool;
 }
 
@@ -345,9 +346,10 @@ class Worker {
         const unsigned char* at =
             wk.panel_ + t.group.offset +
             std::size_t((t.j0 - seg.k_begin) / kBlockKeys) * plan.tile_bytes();
-        // The next tile's K and V into L2 while this one computes: a long sequence's panels
-        // outgrow the last-level cache, and each work item streams them again.
-        if (t.j0 + keys < t.kmax) prefetch(at + plan.tile_bytes(), plan.tile_bytes());
+        // No software prefetch of the next tile: the tiles of a panel lie back to back, which
+        // the hardware prefetchers follow, while a burst of prefetches for a whole tile (1152
+        // lines for f32 at D 128) stalled on full fill buffers (Intel Xeon, 1 core: flux-1024
+        // f32 117-123 -> 122-127 GFLOP/s without it).
         KeyTile& tile = t.ring[std::size_t(n % wk.kk_.panel_tiles)];
         tile = {at, at + plan.k_tile_bytes, int(keys),
                 t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none, t.j0};
@@ -363,10 +365,6 @@ class Worker {
                     row_stride, key_stride);
     }
   };
-
-  static void prefetch(const unsigned char* at, std::size_t bytes) {
-    for (std::size_t off = 0; off < bytes; off += 64) __builtin_prefetch(at + off, 0, 2);
-  }
 
   // Merges the split items of one query block, the (O, LSE) merge of docs/semantics.md:
   // m = max m_s, l = sum l_s e^(m_s - m), O = sum O_s e^(m_s - m), written as O / l. A part
@@ -738,12 +736,10 @@ class FlashImpl final : public Impl {
       partials.emplace(plan.partials.acquire());
       if ((*partials)->size() < plan.partial_floats) (*partials)->resize(plan.partial_floats);
     }
-    // The panels of one wave at a time, 64-byte aligned.
+    // The panels of one wave at a time (in huge pages where the kernel offers them).
     const auto panel_lease = panel_pool().acquire();
-    const std::size_t panel_floats = (plan.panel_buffer_bytes + 64) / sizeof(float);
-    if (panel_lease->size() < panel_floats) panel_lease->resize(panel_floats);
-    const auto panel_at = reinterpret_cast<std::uintptr_t>(panel_lease->data());
-    auto* panel = reinterpret_cast<unsigned char*>((panel_at + 63) / 64 * 64);
+    auto* panel = reinterpret_cast<unsigned char*>(
+        panel_lease->get((plan.panel_buffer_bytes + sizeof(float) - 1) / sizeof(float)));
     const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr, panel);
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
     const auto count = static_cast<i64>(std::max(plan.items.size(), plan.panel_tiles.size()));

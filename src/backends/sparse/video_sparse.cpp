@@ -11,8 +11,6 @@
 
 #include <omp.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -29,6 +27,7 @@
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
+#include "core/huge_page_buffer.hpp"
 #include "core/parallel_fault.hpp"
 #include "core/workspace_pool.hpp"
 #include "dattn/errors.hpp"
@@ -134,32 +133,10 @@ struct Tile {
   }
 };
 
-// The per-call K/V buffer of one head (tens of MiB for a video): grown when needed, in 2 MiB
-// huge pages where the kernel offers them (top-k reads it in scattered blocks; 4 KiB pages
-// would cost a TLB miss on nearly every page touched).
-class PackedBuffer {
- public:
-  float* get(std::size_t floats) {
-    if (floats > capacity_) {
-      constexpr std::size_t kHuge = std::size_t(2) << 20;
-      const std::size_t bytes = (floats * sizeof(float) + kHuge - 1) / kHuge * kHuge;
-      data_.reset(static_cast<float*>(std::aligned_alloc(kHuge, bytes)));
-      if (!data_) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-      (void)madvise(data_.get(), bytes, MADV_HUGEPAGE);
-#endif
-      capacity_ = bytes / sizeof(float);
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  std::unique_ptr<float, Free> data_;
-  std::size_t capacity_ = 0;
-};
+// The per-call K/V buffer of one head (tens of MiB for a video) is a HugePageBuffer: top-k
+// reads it in scattered blocks, and 4 KiB pages would cost a TLB miss on nearly every page
+// touched.
+using PackedBuffer = detail::HugePageBuffer;
 
 // Everything one call needs, shared by the threads.
 struct Call {

@@ -43,21 +43,20 @@ struct Vec {
   static reg select_gt(reg a, reg b, reg x, reg y) {
     return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
   }
-  // 2^x for x <= 0: 2^n * p(f), n = round(x), f in [-1/2, 1/2], p the degree-6 Taylor
-  // polynomial of e^(f ln 2) (relative error < 2e-7); x < -126 (and -inf) gives 0, NaN stays
-  // NaN (vmaxps returns its second operand when one is NaN, so x goes second).
+  // 2^x for x <= 0: 2^n * p(f), n = round(x), f in [-1/2, 1/2], p = kExp2Poly (relative error
+  // < 2e-7); x < -126 (and -inf) gives 0, NaN stays NaN (vmaxps returns its second operand when
+  // one is NaN, so x goes second).
   static reg exp2_nonpositive(reg x) {
     const reg lowest = _mm256_set1_ps(-126.0f);
     const reg hidden = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
     x = _mm256_max_ps(lowest, x);
     const reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = _mm256_sub_ps(x, n);
-    reg p = _mm256_set1_ps(1.5403530393381606e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    reg p = _mm256_set1_ps(kExp2Poly[4]);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[3]));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[2]));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[1]));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[0]));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     const __m256i e =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);

@@ -1,5 +1,5 @@
-// FLASH tile kernels for AVX-512 (16 f32 lanes): micro-tiles of 6 keys x 32 rows (K.Q^T)
-// and 6 rows x 32 columns (P.V).
+// FLASH tile kernels for AVX-512 (16 f32 lanes): micro-tiles of 6 keys x 64 rows (K.Q^T)
+// and 6 rows x 64 columns (P.V), 24 of the 32 registers as accumulators.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +29,8 @@ namespace avx512_impl {
 struct Vec {
   using reg = __m512;
   static constexpr int W = 16;
+  static constexpr int kVectors =
+      4;  // micro-tiles of 6 x 64 (K.Q^T: keys x rows; P.V: rows x columns)
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float f) { return _mm512_set1_ps(f); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -49,20 +51,18 @@ struct Vec {
   static reg select_gt(reg a, reg b, reg x, reg y) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
   }
-  // As in the AVX2 kernels, with vscalefps applying 2^n; NaN stays NaN (not-less-than is true
-  // for NaN, and vmaxps returns its second operand, x, when one is NaN).
+  // 2^x = 2^f 2^n with n = round(x), f = x - n in [-1/2, 1/2] (kExp2Poly), vscalefps applying
+  // 2^n. Lanes below -126 (-inf included) are zeroed by the mask, so no clamp is needed; NaN
+  // stays NaN (not-less-than is true for NaN, and every step keeps it).
   static reg exp2_nonpositive(reg x) {
-    const reg lowest = _mm512_set1_ps(-126.0f);
-    const __mmask16 visible = _mm512_cmp_ps_mask(x, lowest, _CMP_NLT_UQ);
-    x = _mm512_max_ps(lowest, x);
+    const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
     const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = _mm512_sub_ps(x, n);
-    reg p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    reg p = _mm512_set1_ps(kExp2Poly[4]);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[3]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[2]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[1]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[0]));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(visible, p, n);
   }

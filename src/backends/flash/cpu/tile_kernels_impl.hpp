@@ -9,21 +9,36 @@
 // load_f16(p) converting W 16-bit values, and store_bf16(p, r) / store_f16(p, r) rounding to
 // nearest even (NaN stays NaN).
 
-// ST[j][r0..r0+2W) for MK keys starting at `k`.
-template <class V, int MK>
+// Vectors per micro-tile row: V::kVectors where V has it (AVX-512's 32 registers hold 6 x 4
+// accumulators), else 2.
+template <class V>
+constexpr int vectors_per_tile() {
+  if constexpr (requires { V::kVectors; }) {
+    return V::kVectors;
+  } else {
+    return 2;
+  }
+}
+
+// ST[j][r0..r0+NV W) for MK keys starting at `k`.
+template <class V, int MK, int NV>
 inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
                     std::int64_t ldst, int d) {
   using R = typename V::reg;
-  R acc[MK][2];
+  R acc[MK][NV];
 #pragma GCC unroll 8
-  for (int m = 0; m < MK; ++m) acc[m][0] = acc[m][1] = V::zero();
+  for (int m = 0; m < MK; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[m][v] = V::zero();
   for (int e = 0; e < d; ++e) {
-    const R q0 = V::load(qt + e * ldqt), q1 = V::load(qt + e * ldqt + V::W);
+    R q[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) q[v] = V::load(qt + e * ldqt + v * V::W);
 #pragma GCC unroll 8
     for (int m = 0; m < MK; ++m) {
       const R kb = V::set1(k[m * ldk + e]);
-      acc[m][0] = V::fma(kb, q0, acc[m][0]);
-      acc[m][1] = V::fma(kb, q1, acc[m][1]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[m][v] = V::fma(kb, q[v], acc[m][v]);
     }
   }
   // A logit that is not finite (the dot product overflowed f32, or Q or K held an inf or NaN)
@@ -31,42 +46,53 @@ inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int6
   // pass for a hidden key (-inf) and poisons its row instead (docs/semantics.md).
   const R zero = V::zero();
 #pragma GCC unroll 8
-  for (int m = 0; m < MK; ++m) {
-    V::store(st + m * ldst, V::fma(acc[m][0], zero, acc[m][0]));
-    V::store(st + m * ldst + V::W, V::fma(acc[m][1], zero, acc[m][1]));
+  for (int m = 0; m < MK; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      V::store(st + m * ldst + v * V::W, V::fma(acc[m][v], zero, acc[m][v]));
+}
+
+// The keys of one block of NV W rows: micro-tiles of 6 keys, the remainder in one smaller one.
+template <class V, int NV>
+inline void qk_rows(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
+                    std::int64_t ldst, int keys, int d) {
+  int j = 0;
+  for (; j + 6 <= keys; j += 6)
+    qk_keys<V, 6, NV>(k + j * ldk, ldk, qt, ldqt, st + j * ldst, ldst, d);
+  const float* kj = k + j * ldk;
+  float* sj = st + j * ldst;
+  switch (keys - j) {
+    case 5:
+      qk_keys<V, 5, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
+      break;
+    case 4:
+      qk_keys<V, 4, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
+      break;
+    case 3:
+      qk_keys<V, 3, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
+      break;
+    case 2:
+      qk_keys<V, 2, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
+      break;
+    case 1:
+      qk_keys<V, 1, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
+      break;
+    default:
+      break;
   }
 }
 
+// Row blocks of NV W rows (the last, if shorter, of 2 W: rows_p is a multiple of 2 W), each
+// against the whole tile: a block's Q^T slice stays in L1 while the tile's keys stream by.
 template <class V>
 void qk(const void* k_tile, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
         std::int64_t ldst, int keys, int rows_p, int d, void* /*ws*/) {
   const auto* k = static_cast<const float*>(k_tile);
-  for (int r0 = 0; r0 < rows_p; r0 += 2 * V::W) {
-    int j = 0;
-    for (; j + 6 <= keys; j += 6)
-      qk_keys<V, 6>(k + j * ldk, ldk, qt + r0, ldqt, st + j * ldst + r0, ldst, d);
-    const float* kj = k + j * ldk;
-    float* sj = st + j * ldst + r0;
-    switch (keys - j) {
-      case 5:
-        qk_keys<V, 5>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
-        break;
-      case 4:
-        qk_keys<V, 4>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
-        break;
-      case 3:
-        qk_keys<V, 3>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
-        break;
-      case 2:
-        qk_keys<V, 2>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
-        break;
-      case 1:
-        qk_keys<V, 1>(kj, ldk, qt + r0, ldqt, sj, ldst, d);
-        break;
-      default:
-        break;
-    }
-  }
+  constexpr int NV = vectors_per_tile<V>();
+  int r0 = 0;
+  for (; r0 + NV * V::W <= rows_p; r0 += NV * V::W)
+    qk_rows<V, NV>(k, ldk, qt + r0, ldqt, st + r0, ldst, keys, d);
+  for (; r0 < rows_p; r0 += 2 * V::W) qk_rows<V, 2>(k, ldk, qt + r0, ldqt, st + r0, ldst, keys, d);
 }
 
 template <class V>
@@ -124,77 +150,88 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
   }
 }
 
-// O[r][c..c+2W) for MR rows: one column chunk of P.V.
-template <class V, int MR>
+// O[r][c..c+NV W) for MR rows: one column chunk of P.V.
+template <class V, int MR, int NV>
 inline void pv_rows(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
                     std::int64_t ldo, const float* alpha, int keys) {
   using R = typename V::reg;
-  R acc[MR][2];
+  R acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     const R a = V::set1(alpha[r]);
-    acc[r][0] = V::mul(V::load(o + r * ldo), a);
-    acc[r][1] = V::mul(V::load(o + r * ldo + V::W), a);
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = V::mul(V::load(o + r * ldo + c * V::W), a);
   }
   const float* vj = v;
   const float* pj = pt;
   for (int j = 0; j < keys; ++j, vj += ldv, pj += ldpt) {
-    const R v0 = V::load(vj), v1 = V::load(vj + V::W);
+    R vv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vv[c] = V::load(vj + c * V::W);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const R w = V::set1(pj[r]);
-      acc[r][0] = V::fma(w, v0, acc[r][0]);
-      acc[r][1] = V::fma(w, v1, acc[r][1]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = V::fma(w, vv[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    V::store(o + r * ldo, acc[r][0]);
-    V::store(o + r * ldo + V::W, acc[r][1]);
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) V::store(o + r * ldo + c * V::W, acc[r][c]);
+}
+
+// One column chunk of NV W columns for every row. Rows come in blocks of 6, the remainder in
+// blocks of 4 and fewer so that no block is left with too few accumulators to hide the FMA
+// latency.
+template <class V, int NV>
+inline void pv_chunk(const float* pt, std::int64_t ldpt, const float* v, std::int64_t ldv, float* o,
+                     std::int64_t ldo, const float* alpha, int rows, int keys) {
+  int sixes = rows / 6;
+  if (rows % 6 == 2 && sixes > 0) --sixes;  // 6k + 2 = 6(k - 1) + 4 + 4
+  int r = 0;
+  for (int n = 0; n < sixes; ++n, r += 6)
+    pv_rows<V, 6, NV>(pt + r, ldpt, v, ldv, o + r * ldo, ldo, alpha + r, keys);
+  while (r < rows) {
+    const float* pr = pt + r;
+    float* orow = o + r * ldo;
+    const float* ar = alpha + r;
+    switch (rows - r) {
+      case 1:
+        pv_rows<V, 1, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
+        r += 1;
+        break;
+      case 2:
+        pv_rows<V, 2, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
+        r += 2;
+        break;
+      case 3:
+        pv_rows<V, 3, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
+        r += 3;
+        break;
+      case 5:
+        pv_rows<V, 5, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
+        r += 5;
+        break;
+      default:  // 4, or 8 = 4 + 4
+        pv_rows<V, 4, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
+        r += 4;
+        break;
+    }
   }
 }
 
-// Column chunks outer, row blocks inner: the chunk's slice of V (keys x 2W floats) stays in
-// L1 while every row block uses it. Rows come in blocks of 6, the remainder in blocks of 4 and
-// fewer so that no block is left with too few accumulators to hide the FMA latency.
+// Column chunks outer (NV W columns; the last, if shorter, of 2 W: dv is padded to a multiple
+// of 2 W), row blocks inner: the chunk's slice of V stays in L1 while every row block uses it.
 template <class V>
 void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t ldv, float* o,
         std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* /*ws*/) {
   const auto* v = static_cast<const float*>(v_tile);
-  int sixes = rows / 6;
-  if (rows % 6 == 2 && sixes > 0) --sixes;  // 6k + 2 = 6(k - 1) + 4 + 4
-  for (int c = 0; c < dv; c += 2 * V::W) {
-    int r = 0;
-    for (int n = 0; n < sixes; ++n, r += 6)
-      pv_rows<V, 6>(pt + r, ldpt, v + c, ldv, o + r * ldo + c, ldo, alpha + r, keys);
-    while (r < rows) {
-      const float* pr = pt + r;
-      float* orow = o + r * ldo + c;
-      const float* ar = alpha + r;
-      switch (rows - r) {
-        case 1:
-          pv_rows<V, 1>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
-          r += 1;
-          break;
-        case 2:
-          pv_rows<V, 2>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
-          r += 2;
-          break;
-        case 3:
-          pv_rows<V, 3>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
-          r += 3;
-          break;
-        case 5:
-          pv_rows<V, 5>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
-          r += 5;
-          break;
-        default:  // 4, or 8 = 4 + 4
-          pv_rows<V, 4>(pr, ldpt, v + c, ldv, orow, ldo, ar, keys);
-          r += 4;
-          break;
-      }
-    }
-  }
+  constexpr int NV = vectors_per_tile<V>();
+  int c = 0;
+  for (; c + NV * V::W <= dv; c += NV * V::W)
+    pv_chunk<V, NV>(pt, ldpt, v + c, ldv, o + c, ldo, alpha, rows, keys);
+  for (; c < dv; c += 2 * V::W) pv_chunk<V, 2>(pt, ldpt, v + c, ldv, o + c, ldo, alpha, rows, keys);
 }
 
 template <class V>
