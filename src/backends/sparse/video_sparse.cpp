@@ -122,11 +122,14 @@ struct Tile {
     t.alpha = at.take(kMaxRows);
     t.row = at.take(std::max(d, dvp));
     t.coarse = at.take(std::max(d, dvp));
+    // Engines with their own operand format (kv_bytes > 0) hold their slots' tiles in `kv`;
+    // the f32 rows are only the packer's input then, one pair of buffers for every slot.
     for (int n = 0; n < slots; ++n) {
       Slot& slot = t.slots[std::size_t(n)];
       slot.kv = aligned(at, kv_bytes);
-      slot.k = at.take(kBlockKeys * ld_k);
-      slot.v = at.take(kBlockKeys * ld_v);
+      const bool staged = kv_bytes > 0 && n > 0;
+      slot.k = staged ? t.slots[0].k : at.take(kBlockKeys * ld_k);
+      slot.v = staged ? t.slots[0].v : at.take(kBlockKeys * ld_v);
       slot.ok = reinterpret_cast<char*>(at.take(kBlockKeys / i64(sizeof(float)) + 1));
     }
     return t;
