@@ -346,13 +346,17 @@ class Worker {
         const unsigned char* at =
             wk.panel_ + t.group.offset +
             std::size_t((t.j0 - seg.k_begin) / kBlockKeys) * plan.tile_bytes();
-        // No software prefetch of the next tile: the tiles of a panel lie back to back, which
-        // the hardware prefetchers follow, while a burst of prefetches for a whole tile (1152
-        // lines for f32 at D 128) stalled on full fill buffers (Intel Xeon, 1 core: flux-1024
-        // f32 117-123 -> 122-127 GFLOP/s without it).
+        // The engine may prefetch the next tile (KeyTile::next), spread over its steps: one
+        // burst for a whole tile here (1152 lines for f32 at D 128) stalled on full fill
+        // buffers.
         KeyTile& tile = t.ring[std::size_t(n % wk.kk_.panel_tiles)];
-        tile = {at, at + plan.k_tile_bytes, int(keys),
-                t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none, t.j0};
+        tile = {at,
+                at + plan.k_tile_bytes,
+                int(keys),
+                t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none,
+                t.j0,
+                t.j0 + keys < t.kmax ? at + plan.tile_bytes() : nullptr,
+                plan.tile_bytes()};
         t.j0 += kBlockKeys;
         return &tile;
       }
