@@ -36,6 +36,9 @@ inline constexpr float kMaxHeadroom = 8.0f;
 // ulps), the vector exponentials' core (exp2_nonpositive of the SIMD kernels).
 inline constexpr float kExp2Poly[5] = {6.931470037e-01f, 2.402224243e-01f, 5.550733581e-02f,
                                        9.671482258e-03f, 1.326463651e-03f};
+// The same fit of degree 3, for probabilities rounded to bf16 next (relative error 1.0e-4, a
+// fortieth of bf16's half ulp): 1 + f (c0 + f (c1 + f c2)).
+inline constexpr float kExp2PolyBf16[3] = {6.932827830e-01f, 2.422089875e-01f, 5.500813574e-02f};
 
 struct TileKernels;
 // The most tiles an engine holds at once (TileKernels::panel_tiles).
@@ -153,6 +156,13 @@ struct TileKernels {
   // exponent's multiply where m * log2(e) is finite.
   void (*softmax_rows)(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
                        float* m, float* l, float* alpha) = nullptr;
+  // softmax_rows with the probabilities written to p instead, as bf16 pairs over keys (round
+  // to nearest even; row stride ldp pairs), zeros up to `pairs` pairs per row (a multiple of 8
+  // at least keys / 2): one pass where a bf16 engine would otherwise convert s afterwards. s
+  // keeps the logits (and the padding's).
+  void (*softmax_rows_pairs)(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
+                             float* m, float* l, float* alpha, std::uint32_t* p, std::int64_t ldp,
+                             int pairs) = nullptr;
   // A work item's inner loop (the contract above); nullptr: attend_tile_by_tile. panel_tiles:
   // how many tiles of ItemKeys the engine holds at once.
   void (*attend)(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) = nullptr;
@@ -203,6 +213,8 @@ struct Bf16Functions {
   decltype(TileKernels::thread_end) thread_end = nullptr;
   decltype(TileKernels::attend) attend = nullptr;
   int panel_tiles = 1;
+  // The engine's own softmax_rows_pairs (nullptr: base's).
+  decltype(TileKernels::softmax_rows_pairs) softmax_rows_pairs = nullptr;
 };
 inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels& base,
                                      const Bf16Functions& f) {
@@ -221,6 +233,7 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
   k.thread_end = f.thread_end;
   k.attend = f.attend;
   k.panel_tiles = f.panel_tiles;
+  if (f.softmax_rows_pairs != nullptr) k.softmax_rows_pairs = f.softmax_rows_pairs;
   return k;
 }
 

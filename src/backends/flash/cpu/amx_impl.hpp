@@ -207,15 +207,10 @@ void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
       for (int c = 0; c < count; ++c)
         if (panel[c]->hook) keys.logits(keys.ctx, *panel[c], w.s + c * kTileKeys, kLdS, 1);
     }
-    kk.softmax_rows(w.s, kLdS, rows_p, total, w.scale, !hook, st.m, st.l, st.alpha);
-
-    // P as pairs over keys, zeros up to whole 16-pair steps.
+    // P as pairs over keys straight from the softmax, zeros up to whole 16-pair steps.
     const int k2 = (total + 1) / 2, k2p = (k2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
-    for (int r = 0; r < rows_p; ++r) {
-      std::uint32_t* prow = w.p + std::int64_t(r) * kLdP;
-      pack_row_pairs<D>(w.s + std::int64_t(r) * kLdS, total, prow);
-      std::fill(prow + k2, prow + k2p, 0u);
-    }
+    kk.softmax_rows_pairs(w.s, kLdS, rows_p, total, w.scale, !hook, st.m, st.l, st.alpha, w.p, kLdP,
+                          k2p);
 
     // O *= alpha for the rows whose reference moved (the lazy max: seldom after the first
     // panels), then O += P.V through the tiles.
@@ -244,10 +239,11 @@ void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
   }
 }
 
+// `softmax`: the engine's own softmax_rows_pairs (nullptr: the base kernels').
 template <class T, class D>
-constexpr Bf16Functions amx_functions() {
+constexpr Bf16Functions amx_functions(decltype(TileKernels::softmax_rows_pairs) softmax = nullptr) {
   // No qk / pv: the engine has its own inner loop (attend).
   return {nullptr,       nullptr,       &workspace_bytes, &pack_q<D>, &k_tile_bytes,
           &v_tile_bytes, &pack_k<D>,    &pack_v<D>,       32,         &T::begin,
-          &T::end,       &attend<T, D>, kPanelTiles};
+          &T::end,       &attend<T, D>, kPanelTiles,      softmax};
 }

@@ -1,7 +1,8 @@
 // The amx engine: Q.K^T and P.V on AMX tiles (tdpbf16ps, f32 accumulation), 2 x 2 tiles per
-// 32 x 32 block; the packing, scaling, P transposition and O rescaling in AVX-512 BF16, the
-// softmax and row conversions the AVX-512 f32 ones. Layouts and blocking: amx_impl.hpp, shared
-// with the emulated twin (kernels_amx_emulated.cpp), which the tests run on every machine.
+// 32 x 32 block; the packing, scaling and O rescaling in AVX-512 BF16, the row softmax the
+// AVX-512 one writing bf16 pairs (below), the row conversions the AVX-512 f32 ones. Layouts and
+// blocking: amx_impl.hpp, shared with the emulated twin (kernels_amx_emulated.cpp), which the tests
+// run on every machine.
 //
 // Each thread loads its tile configuration before its first tile instruction of a run and
 // releases the tiles after its last (TileKernels::thread_begin / thread_end); the process asks
@@ -11,6 +12,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <numbers>
 #include <vector>
 
 #include "backends/flash/kernels.hpp"
@@ -101,9 +104,33 @@ struct Tiles {
 #include "backends/flash/cpu/amx_emulated_tiles.hpp"
 #include "backends/flash/cpu/amx_impl.hpp"
 
-constexpr Bf16Functions kFunctions = amx_functions<Tiles, Avx512Bf16Ops>();
+// The row softmax of the AVX-512 kernels, its probabilities from a degree-3 exponential
+// (kExp2PolyBf16) and rounded to bf16 by vcvtneps2bf16 (round to nearest even, NaN kept)
+// instead of in integer steps.
+#include "backends/flash/cpu/avx512_vec.hpp"
+struct SoftmaxVec : Vec {
+  static reg exp2_nonpositive_bf16(reg x) {
+    const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const reg f = _mm512_sub_ps(x, n);
+    reg p = _mm512_set1_ps(kExp2PolyBf16[2]);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2PolyBf16[1]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2PolyBf16[0]));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(visible, p, n);
+  }
+  static void store_bf16(std::uint16_t* p, reg r) {
+    // A vector cast, as in avx512_bf16_ops.hpp.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(r));  // NOLINT
+  }
+};
+#include "backends/flash/cpu/tile_kernels_impl.hpp"
+
+constexpr Bf16Functions kFunctions =
+    amx_functions<Tiles, Avx512Bf16Ops>(&softmax_rows_pairs<SoftmaxVec>);
 // The same engine on emulated tiles: amx_emulated where the CPU has AVX-512 BF16.
-constexpr Bf16Functions kEmulatedTileFunctions = amx_functions<EmulatedTiles, Avx512Bf16Ops>();
+constexpr Bf16Functions kEmulatedTileFunctions =
+    amx_functions<EmulatedTiles, Avx512Bf16Ops>(&softmax_rows_pairs<SoftmaxVec>);
 
 }  // namespace amx_impl
 }  // namespace dattn::flash

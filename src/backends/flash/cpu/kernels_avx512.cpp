@@ -26,69 +26,7 @@
 namespace dattn::flash {
 namespace avx512_impl {
 
-struct Vec {
-  using reg = __m512;
-  static constexpr int W = 16;
-  static constexpr int kVectors =
-      4;  // micro-tiles of 6 x 64 (K.Q^T: keys x rows; P.V: rows x columns)
-  static reg zero() { return _mm512_setzero_ps(); }
-  static reg set1(float f) { return _mm512_set1_ps(f); }
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
-  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
-  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
-  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
-  static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
-  static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
-  static reg select_zero_if_neg_inf(reg x) {
-    const __mmask16 is_neg_inf =
-        _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
-    return _mm512_mask_blend_ps(is_neg_inf, x, _mm512_setzero_ps());
-  }
-  // a > b ? x : y per lane (false for NaN).
-  static reg select_gt(reg a, reg b, reg x, reg y) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
-  }
-  // 2^x = 2^f 2^n with n = round(x), f = x - n in [-1/2, 1/2] (kExp2Poly), vscalefps applying
-  // 2^n. Lanes below -126 (-inf included) are zeroed by the mask, so no clamp is needed; NaN
-  // stays NaN (not-less-than is true for NaN, and every step keeps it).
-  static reg exp2_nonpositive(reg x) {
-    const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-    const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const reg f = _mm512_sub_ps(x, n);
-    reg p = _mm512_set1_ps(kExp2Poly[4]);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[3]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[2]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[1]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[0]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(visible, p, n);
-  }
-  static reg load_bf16(const std::uint16_t* p) {
-    const __m512i wide =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-  static reg load_f16(const std::uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static void store_f16(std::uint16_t* p, reg r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  // As in the AVX2 kernels.
-  static void store_bf16(std::uint16_t* p, reg r) {
-    const __m512i u = _mm512_castps_si512(r);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-  }
-};
+#include "backends/flash/cpu/avx512_vec.hpp"
 
 #include "backends/flash/cpu/tile_kernels_impl.hpp"
 

@@ -315,10 +315,12 @@ inline float reduce_sum(typename V::reg r) {
   }
 }
 
-// TileKernels::softmax_rows: the rule of softmax_tile along rows instead of columns.
-template <class V>
-void softmax_rows(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw, float* m,
-                  float* l, float* alpha) {
+// TileKernels::softmax_rows (Pairs false) and softmax_rows_pairs (true): the rule of
+// softmax_tile along rows instead of columns.
+template <class V, bool Pairs>
+void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
+                     float* m, float* l, float* alpha, std::uint32_t* p, std::int64_t ldp,
+                     int pairs) {
   using R = typename V::reg;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   constexpr float kLog2e = std::numbers::log2e_v<float>;
@@ -341,6 +343,14 @@ void softmax_rows(float* s, std::int64_t lds, int rows, int keys, float scale, b
   const R zero = V::zero();
   for (int r = 0; r < rows; ++r) {
     float* row = s + r * lds;
+    // The probabilities: in place, or as bf16 (consecutive bf16 are the pairs over keys).
+    auto* out16 = reinterpret_cast<std::uint16_t*>(Pairs ? p + r * ldp : nullptr);
+    const auto put = [&](int j, R x) {
+      if constexpr (Pairs)
+        V::store_bf16(out16 + j, x);
+      else
+        V::store(row + j, x);
+    };
     for (int j = keys; j < kp; ++j) row[j] = pad;
     R mx0 = V::set1(-kInf), mx1 = mx0;
     int j = 0;
@@ -364,25 +374,47 @@ void softmax_rows(float* s, std::int64_t lds, int rows, int keys, float scale, b
     R sum0 = zero, sum1 = zero;
     const auto prob = [&](R x) {
       if (raw) x = V::fma(x, zero, x);  // a dot product that is not finite -> NaN
-      return fold ? V::exp2_nonpositive(V::fma(x, vc, vb))
-                  : V::exp2_nonpositive(V::mul(V::sub(V::mul(x, vs), vm), vl));
+      const R e = fold ? V::fma(x, vc, vb) : V::mul(V::sub(V::mul(x, vs), vm), vl);
+      // Probabilities bound for bf16 may take V's coarser exponential (an error far below
+      // bf16's rounding).
+      if constexpr (Pairs && requires { V::exp2_nonpositive_bf16(e); })
+        return V::exp2_nonpositive_bf16(e);
+      else
+        return V::exp2_nonpositive(e);
     };
     for (j = 0; j + 2 * V::W <= kp; j += 2 * V::W) {
       const R p0 = prob(V::load(row + j)), p1 = prob(V::load(row + j + V::W));
-      V::store(row + j, p0);
-      V::store(row + j + V::W, p1);
+      put(j, p0);
+      put(j + V::W, p1);
       sum0 = V::add(sum0, p0);
       sum1 = V::add(sum1, p1);
     }
     for (; j < kp; j += V::W) {
       const R p0 = prob(V::load(row + j));
-      V::store(row + j, p0);
+      put(j, p0);
       sum0 = V::add(sum0, p0);
     }
     // The padding keys' probabilities: exactly zero (2^-inf; in raw units 2^(-FLT_MAX c)).
-    for (j = keys; j < kp; ++j) row[j] = 0.0f;
+    if constexpr (Pairs) {
+      for (j = keys; j < kp; ++j) out16[j] = 0;
+      std::fill(p + r * ldp + kp / 2, p + r * ldp + pairs, 0u);
+    } else {
+      for (j = keys; j < kp; ++j) row[j] = 0.0f;
+    }
     l[r] = l[r] * alpha[r] + reduce_sum<V>(V::add(sum0, sum1));
   }
+}
+
+template <class V>
+void softmax_rows(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw, float* m,
+                  float* l, float* alpha) {
+  softmax_rows_to<V, false>(s, lds, rows, keys, scale, raw, m, l, alpha, nullptr, 0, 0);
+}
+template <class V>
+void softmax_rows_pairs(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
+                        float* m, float* l, float* alpha, std::uint32_t* p, std::int64_t ldp,
+                        int pairs) {
+  softmax_rows_to<V, true>(s, lds, rows, keys, scale, raw, m, l, alpha, p, ldp, pairs);
 }
 
 template <class V>
@@ -390,5 +422,6 @@ constexpr TileKernels make_tile_kernels(std::string_view engine) {
   TileKernels k{engine,           2 * V::W, 2 * V::W,     &qk<V>,
                 &softmax_tile<V>, &pv<V>,   &load_row<V>, &store_row<V>};
   k.softmax_rows = &softmax_rows<V>;
+  k.softmax_rows_pairs = &softmax_rows_pairs<V>;
   return k;
 }
