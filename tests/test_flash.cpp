@@ -634,6 +634,73 @@ TEST_P(FlashEngine, MatchesReference) {
     }
 }
 
+// softmax_rows_pairs against softmax_rows of the same engine: the same m, l and alpha (up to the
+// exponential an engine may take for bf16 probabilities), and the probabilities as bf16 pairs
+// with zeros up to `pairs`; raw and natural units over two panels, with a row far down the
+// float range (-1e38 in natural units, as a large finite mask leaves it: uniform, never
+// underflowing to a row that saw nothing), a hidden row (natural units) and a NaN row.
+TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
+  const flash::Engine& e = flash::engine_named(GetParam(), "isa");
+  if (!e.available()) GTEST_SKIP() << GetParam() << " is not available here";
+  const flash::TileKernels& kk = e.kernels();
+  ASSERT_NE(kk.softmax_rows_pairs, nullptr);
+  constexpr int kRows = 5, kLds = 272, kLdp = 144;
+  constexpr float kScale = 0.125f;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (const int keys : {1, 17, 64, 250, 256})
+    for (const bool raw : {true, false}) {
+      const int pairs = ((keys + 1) / 2 + 15) / 16 * 16;
+      std::vector<float> s(kRows * kLds), m1(kRows, -INFINITY), l1(kRows, 0.0f), a1(kRows),
+          m2 = m1, l2 = l1, a2(kRows);
+      for (int panel = 0; panel < 2; ++panel) {
+        for (int r = 0; r < kRows; ++r)
+          for (int j = 0; j < keys; ++j) s[r * kLds + j] = nd(rng) * float(panel + 1);
+        for (int j = 0; j < keys; ++j) {
+          s[2 * kLds + j] = -1e38f;  // far down the range, finite (raw: -1.25e37 natural)
+          if (!raw) s[3 * kLds + j] = -INFINITY;  // hidden
+        }
+        s[4 * kLds + keys / 2] = NAN;
+        std::vector<float> s2 = s;
+        std::vector<std::uint32_t> p(kRows * kLdp, 0xdeadbeefu);
+        kk.softmax_rows(s.data(), kLds, kRows, keys, kScale, raw, m1.data(), l1.data(), a1.data());
+        kk.softmax_rows_pairs(s2.data(), kLds, kRows, keys, kScale, raw, m2.data(), l2.data(),
+                              a2.data(), p.data(), kLdp, pairs);
+        const std::string what = GetParam() + " keys " + std::to_string(keys) +
+                                 (raw ? " raw" : " natural") + " panel " + std::to_string(panel);
+        for (int r = 0; r < kRows; ++r) {
+          const auto* p16 = reinterpret_cast<const std::uint16_t*>(p.data() + r * kLdp);
+          if (r == 4) {  // the NaN row
+            EXPECT_TRUE(std::isnan(l1[r])) << what;
+            EXPECT_TRUE(std::isnan(l2[r])) << what;
+            EXPECT_TRUE(std::isnan(bf16_to_f32(p16[keys / 2]))) << what;
+            continue;
+          }
+          EXPECT_EQ(m1[r], m2[r]) << what << " row " << r;
+          EXPECT_NEAR(l2[r], l1[r], 2e-4 * std::abs(l1[r])) << what << " row " << r;
+          EXPECT_NEAR(a2[r], a1[r], 2e-4 * a1[r]) << what << " row " << r;
+          for (int j = 0; j < keys; ++j) {
+            const float want = s[r * kLds + j], got = bf16_to_f32(p16[j]);
+            ASSERT_NEAR(got, want, 2e-4 * want + want / 256.0f)
+                << what << " row " << r << " key " << j;
+            if (want == 0.0f) ASSERT_EQ(p16[j], 0) << what << " key " << j;
+          }
+          for (int j = keys; j < 2 * pairs; ++j) ASSERT_EQ(p16[j], 0) << what << " pad " << j;
+          for (int j = 2 * pairs; j < 2 * kLdp; ++j)
+            ASSERT_EQ(p16[j], j % 2 == 0 ? 0xbeefu : 0xdeadu) << what << " past pairs " << j;
+        }
+        // Far down the range: every key equally likely, and seen.
+        EXPECT_GT(l1[2], 0.0f) << what;
+        EXPECT_TRUE(std::isfinite(l1[2])) << what;
+        for (int j = 1; j < keys; ++j) ASSERT_EQ(s[2 * kLds + j], s[2 * kLds]) << what;
+        if (!raw) {
+          EXPECT_EQ(l1[3], 0.0f) << what;  // hidden: nothing seen
+          EXPECT_EQ(l2[3], 0.0f) << what;
+        }
+      }
+    }
+}
+
 std::vector<std::string> engine_names() {
   std::vector<std::string> names;
   for (const EngineInfo& e : flash_engines()) names.push_back(e.name);

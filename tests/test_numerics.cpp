@@ -117,11 +117,14 @@ struct FiniteMaskCase {
   DType dtype;
   int mask_rank;  // 3 or 4
   bool causal;
+  // The mask value -1e38 instead of finfo.min: as far down, but a row's reference m times
+  // log2(e) stays finite there (no shortcut may fold it into one rounded constant).
+  bool minus_1e38 = false;
 };
 
 std::string finite_mask_name(const ::testing::TestParamInfo<FiniteMaskCase>& p) {
   return std::string(dtype_name(p.param.dtype)) + "_" + std::to_string(p.param.mask_rank) + "d" +
-         (p.param.causal ? "_causal" : "");
+         (p.param.causal ? "_causal" : "") + (p.param.minus_1e38 ? "_minus1e38" : "");
 }
 
 class FiniteMask : public ::testing::TestWithParam<FiniteMaskCase> {};
@@ -138,7 +141,7 @@ TEST_P(FiniteMask, RowsMaskedWithTheLowestFiniteValueAttendUniformly) {
   const i64 mh = c.mask_rank == 4 ? H : 1;
   Tensor mask = c.mask_rank == 4 ? random_tensor({B, mh, S, S}, c.dtype, 4)
                                  : random_tensor({B, S, S}, c.dtype, 4);
-  const float lowest = finfo_min(c.dtype);
+  const float lowest = c.minus_1e38 ? -1e38f : finfo_min(c.dtype);
   std::mt19937 rng(5);
   for (i64 b = 0; b < B; ++b)
     for (i64 h = 0; h < mh; ++h)
@@ -195,7 +198,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(FiniteMaskCase{DType::F32, 4, false}, FiniteMaskCase{DType::F32, 3, false},
                       FiniteMaskCase{DType::F32, 4, true}, FiniteMaskCase{DType::BF16, 4, false},
                       FiniteMaskCase{DType::BF16, 3, true}, FiniteMaskCase{DType::F16, 4, false},
-                      FiniteMaskCase{DType::F16, 3, true}),
+                      FiniteMaskCase{DType::F16, 3, true},
+                      FiniteMaskCase{DType::F32, 4, false, true},
+                      FiniteMaskCase{DType::BF16, 3, false, true}),
     finite_mask_name);
 
 // A 2-D key mask (bool) with a query row of a cross-attention call seeing no key: zeros and

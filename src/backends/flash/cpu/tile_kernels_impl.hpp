@@ -365,10 +365,12 @@ void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale
     const float m_use = m_new == -kInf ? 0.0f : m_new;
     alpha[r] = std::exp(m_old - m_use);
     m[r] = m_new;
-    // p = 2^(x * scale log2 e - m log2 e): one FMA where m log2 e is finite, else the
-    // difference first (a row whose logits are all near -FLT_MAX, a mask's finfo.min).
+    // p = 2^(x * scale log2 e - m log2 e): one FMA where |m log2 e| <= 1024, whose rounding
+    // then moves the exponent by at most 6e-5; else the difference first (a row whose logits
+    // all lie far down the range, as under a large finite mask such as finfo.min or -1e38,
+    // where that rounding alone would be astronomically large).
     const float c = scale * kLog2e, b = -m_use * kLog2e;
-    const bool fold = std::isfinite(b) && std::isfinite(c);
+    const bool fold = std::abs(b) <= 1024.0f && std::isfinite(c);
     const R vc = V::set1(c), vb = V::set1(b), vs = V::set1(scale), vm = V::set1(m_use),
             vl = V::set1(kLog2e);
     R sum0 = zero, sum1 = zero;
