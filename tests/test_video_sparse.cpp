@@ -471,37 +471,62 @@ TEST(VideoSparseKernel, Bf16InputsWithinTheirRounding) {
 
 // VIDEO_SPARSE runs on FLASH's engines: each one this CPU can run (emulated twins included),
 // named by the isa option, on bf16 inputs and with compute_dtype bf16 on f32 inputs, against
-// REFERENCE under the selected blocks' token mask.
+// REFERENCE under the selected blocks' token mask; with tiles of 64 keys (some clipped) and of
+// 128 (a block in two key tiles), and keys a mask hides inside the blocks.
 TEST(VideoSparseKernel, EveryEngineMatchesReference) {
   Case c;
   c.hq = 4, c.hkv = 2, c.d = 72, c.dv = 40;
   c.layout = one_tail(9, {5, 7, 9});
   c.seq = c.layout.used_length() + 3;
-  const VideoTiling t = VideoTiling::build(c.layout, c.seq, {4, 4, 4});
-  const i64 nb = static_cast<i64>(t.blocks().size());
-  Tensor map = testing::bool_tensor({c.batch, c.hq, nb, nb}, 7, 0.3);
-  for (i64 row = 0; row < c.batch * c.hq * nb; ++row)
-    map.data_as<std::uint8_t>()[row * nb + row % nb] = 1;
-  AttentionProblem p;
-  p.batch = c.batch, p.hq = c.hq;
-  VideoSparseOptions so;
-  so.selection = BlockSelection::explicit_map;
-  so.block_map = map.view();
-  const Tensor mask = token_mask(select_blocks(p, {t, t}, so, nullptr), t, c.batch, c.hq);
-  for (const EngineInfo& e : flash_engines()) {
-    if (e.unavailable_reason) continue;
-    for (const DType dt : {DType::F32, DType::BF16}) {
-      SCOPED_TRACE(e.name + " " + std::string(dtype_name(dt)));
-      c.dtype = dt;
-      const SparseInputs r = inputs(c, 67);
-      BackendOptions o{
-          {"selection", std::string("explicit")}, {"block_map", map.view()}, {"isa", e.name}};
-      if (dt == DType::F32) o["compute_dtype"] = std::string("bf16");
-      const ForwardResult got =
-          Attention(sparse_config(c, o)).forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
-      const auto d = testing::compare(got.out.view(), reference(c, r, mask).out.view());
-      EXPECT_FALSE(d.nan);
-      EXPECT_LE(d.normwise_rel, e.compute_dtype == "bf16" || dt == DType::BF16 ? 1e-2 : 1e-5);
+  for (const std::array<i64, 3> tile : {std::array<i64, 3>{4, 4, 4}, {4, 8, 4}}) {
+    const VideoTiling t = VideoTiling::build(c.layout, c.seq, {tile[0], tile[1], tile[2]});
+    const i64 nb = static_cast<i64>(t.blocks().size());
+    Tensor map = testing::bool_tensor({c.batch, c.hq, nb, nb}, 7, 0.3);
+    for (i64 row = 0; row < c.batch * c.hq * nb; ++row)
+      map.data_as<std::uint8_t>()[row * nb + row % nb] = 1;
+    AttentionProblem p;
+    p.batch = c.batch, p.hq = c.hq;
+    VideoSparseOptions so;
+    so.selection = BlockSelection::explicit_map;
+    so.block_map = map.view();
+    Tensor mask = token_mask(select_blocks(p, {t, t}, so, nullptr), t, c.batch, c.hq);
+    // Batch item 1 hides every seventh key (inside the blocks) from every row.
+    const auto hidden = [](i64 b, i64 j) { return b == 1 && j % 7 == 3; };
+    for (i64 b = 0; b < c.batch; ++b)
+      for (i64 h = 0; h < c.hq; ++h)
+        for (i64 i = 0; i < c.seq; ++i)
+          for (i64 j = 0; j < c.seq; ++j)
+            if (hidden(b, j))
+              mask.data_as<std::uint8_t>()[((b * c.hq + h) * c.seq + i) * c.seq + j] = 0;
+    for (const EngineInfo& e : flash_engines()) {
+      if (e.unavailable_reason) continue;
+      for (const DType dt : {DType::F32, DType::BF16}) {
+        SCOPED_TRACE(e.name + " " + std::string(dtype_name(dt)) + " tile " +
+                     std::to_string(tile[1]));
+        c.dtype = dt;
+        SparseInputs r = inputs(c, 67);
+        for (i64 j = 0; j < c.seq; ++j)
+          if (hidden(1, j)) r.keep.data_as<std::uint8_t>()[c.seq + j] = 0;
+        BackendOptions o{{"selection", std::string("explicit")},
+                         {"block_map", map.view()},
+                         {"isa", e.name},
+                         {"tile", std::to_string(tile[0]) + "," + std::to_string(tile[1]) + "," +
+                                      std::to_string(tile[2])}};
+        if (dt == DType::F32) o["compute_dtype"] = std::string("bf16");
+        const ForwardResult got = Attention(sparse_config(c, o))
+                                      .forward(r.q.view(), r.k.view(), r.v.view(), r.meta, true);
+        // A self-attention layer's key mask also zeroes the query rows it hides.
+        ForwardResult want = reference(c, r, mask);
+        for (i64 i = 0; i < c.seq; ++i)
+          if (hidden(1, i))
+            for (i64 h = 0; h < c.hq; ++h)
+              for (i64 e2 = 0; e2 < c.dv; ++e2)
+                store_from_f32(want.out.data(), want.out.dtype(),
+                               ((c.seq + i) * c.hq + h) * c.dv + e2, 0.0f);
+        const auto d = testing::compare(got.out.view(), want.out.view());
+        EXPECT_FALSE(d.nan);
+        EXPECT_LE(d.normwise_rel, e.compute_dtype == "bf16" || dt == DType::BF16 ? 1e-2 : 1e-5);
+      }
     }
   }
 }

@@ -3,10 +3,12 @@
 //
 // A call: tile the sequence (cached per layout), select key blocks per (batch, head, query
 // block), then for each (batch, KV head) convert that head's K and V rows once, in tile order,
-// into one f32 buffer (so every selected block is a contiguous run of rows and neighbouring
-// selected tiles merge into longer runs), and run the engine's inner loop (flash/kernels.hpp,
-// the contract) for each query block over its selected runs only, cut into 64-key chunks. Query
-// rows are gathered from and written back to their sequence rows; padding rows output zero.
+// into one buffer: f32 rows for the f32 engines (so every selected block is a contiguous run of
+// rows and neighbouring selected tiles merge into longer runs, cut into 64-key chunks per work
+// item), each key block's tiles in the engine's format for the others; and run the engine's
+// inner loop (flash/kernels.hpp, the contract) for each query block over its selected blocks
+// only. Query rows are gathered from and written back to their sequence rows; padding rows
+// output zero.
 #include "backends/sparse/video_sparse.hpp"
 
 #include <omp.h>
@@ -56,8 +58,11 @@ class SparsePlan final : public Plan {
     std::ostringstream os;
     os << "VIDEO_SPARSE plan: engine " << kernels.engine << ", query chunks of up to " << kMaxRows
        << " rows, key chunks of " << kBlockKeys << ", " << threads
-       << " thread(s), K/V of one head converted once per call (" << (ld_k + ld_v) * sizeof(float)
-       << " B per key row)";
+       << " thread(s), K/V of one head converted once per call ("
+       << (kernels.pack_k != nullptr
+               ? "into the engine's tiles, " + std::to_string(k_tile_bytes + v_tile_bytes) +
+                     " B per tile of up to " + std::to_string(kBlockKeys) + " keys of a block)"
+               : std::to_string((ld_k + ld_v) * sizeof(float)) + " B per key row)");
     return os.str();
   }
   std::size_t scratch_bytes_per_thread() const override { return scratch_floats * sizeof(float); }
@@ -65,8 +70,8 @@ class SparsePlan final : public Plan {
 
   const TileKernels& kernels;
   i64 dv_padded = 0, ld_k = 0, ld_v = 0;
-  // Engines with their own operand formats (FLASH's bf16 engines): their workspace and one
-  // packed K/V chunk per thread.
+  // Engines with their own operand formats (FLASH's bf16 engines): their workspace and the
+  // bytes of one K and one V tile.
   std::size_t workspace_bytes = 0, k_tile_bytes = 0, v_tile_bytes = 0;
   int threads = 1;
   std::size_t scratch_floats = 0;
@@ -85,21 +90,19 @@ struct Piece {
 struct Tile {
   float *qt, *st, *o, *m, *l, *alpha, *row, *coarse;
   void* ws;  // the engine's workspace (64-byte aligned), or null
-  // One key chunk per slot (the engine holds up to panel_tiles at once): its gathered f32 rows
-  // (K [kBlockKeys][ld_k], V [kBlockKeys][ld_v]), which of them are visible, and the chunk
-  // packed in the engine's format (K then V; null for the f32 engines).
+  // One key chunk per slot (the f32 engines hold up to panel_tiles at once): its gathered f32
+  // rows (K [kBlockKeys][ld_k], V [kBlockKeys][ld_v]) and which of them are visible. Engines
+  // with their own operand format read the call's packed tiles and use slot 0 to stage them.
   struct Slot {
     float *k, *v;
     char* ok;
-    void* kv;
   };
   std::array<Slot, flash::kMaxPanelTiles> slots;
   i64 ld_rows, ld_o;
   // ld_k, ld_v: the packed rows' strides (gathered chunks keep them).
-  static std::size_t floats(i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes,
-                            std::size_t kv_bytes, int slots) {
+  static std::size_t floats(i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes, int slots) {
     ScratchLayout count;
-    (void)carve(count, d, dvp, ld_k, ld_v, ws_bytes, kv_bytes, slots);
+    (void)carve(count, d, dvp, ld_k, ld_v, ws_bytes, slots);
     return count.floats();
   }
   static void* aligned(ScratchLayout& at, std::size_t bytes) {
@@ -109,7 +112,7 @@ struct Tile {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(raw) + 63) / 64 * 64);
   }
   static Tile carve(ScratchLayout& at, i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes,
-                    std::size_t kv_bytes, int slots) {
+                    int slots) {
     Tile t{};
     t.ws = aligned(at, ws_bytes);
     t.ld_rows = kMaxRows + kStridePad;
@@ -122,14 +125,10 @@ struct Tile {
     t.alpha = at.take(kMaxRows);
     t.row = at.take(std::max(d, dvp));
     t.coarse = at.take(std::max(d, dvp));
-    // Engines with their own operand format (kv_bytes > 0) hold their slots' tiles in `kv`;
-    // the f32 rows are only the packer's input then, one pair of buffers for every slot.
     for (int n = 0; n < slots; ++n) {
       Slot& slot = t.slots[std::size_t(n)];
-      slot.kv = aligned(at, kv_bytes);
-      const bool staged = kv_bytes > 0 && n > 0;
-      slot.k = staged ? t.slots[0].k : at.take(kBlockKeys * ld_k);
-      slot.v = staged ? t.slots[0].v : at.take(kBlockKeys * ld_v);
+      slot.k = at.take(kBlockKeys * ld_k);
+      slot.v = at.take(kBlockKeys * ld_v);
       slot.ok = reinterpret_cast<char*>(at.take(kBlockKeys / i64(sizeof(float)) + 1));
     }
     return t;
@@ -149,8 +148,14 @@ struct Call {
   const BlockMap& map;
   const PooledBlocks* pooled;  // for the gate's coarse branch
   const std::optional<TensorView>& gate;
-  float* k_packed;              // [used_k][ld_k], tile order, one KV head
-  float* v_packed;              // [used_k][ld_v]
+  float* k_packed;  // [used_k][ld_k], tile order, one KV head (f32 engines)
+  float* v_packed;  // [used_k][ld_v]
+  // Engines with their own operand format: one KV head's keys packed once per call in that
+  // format, each key block in tiles of up to kBlockKeys keys (K then V, tile_bytes each);
+  // block kb's tiles are [block_tile0[kb], block_tile0[kb + 1]).
+  unsigned char* tiles = nullptr;
+  std::size_t tile_bytes = 0;
+  std::vector<i64> block_tile0;
   std::vector<char> key_ok;     // per key position of the batch item: visible
   std::vector<i64> rows;        // valid query positions, grouped by block
   std::vector<i64> block_row0;  // first entry of each query block in `rows`
@@ -158,12 +163,38 @@ struct Call {
 
   const TileKernels& kk() const { return plan.kernels; }
 
+  bool own_format() const { return kk().pack_k != nullptr; }
+  // This thread's tile scratch: the f32 engines' gathered chunks need a slot per tile the
+  // engine holds; engines with their own format read the call's tiles and use slot 0's rows
+  // only to stage pack_tiles.
+  Tile carve(ScratchLayout& layout) const {
+    return Tile::carve(layout, p.d, plan.dv_padded, plan.ld_k, plan.ld_v, plan.workspace_bytes,
+                       own_format() ? 1 : kk().panel_tiles);
+  }
+
   // Converts key positions [pos0, pos1) of KV head hk of batch b into the packed buffers.
   void pack(i64 b, i64 hk, i64 pos0, i64 pos1) const {
+    pack_rows(b, hk, pos0, pos1, k_packed + pos0 * plan.ld_k, v_packed + pos0 * plan.ld_v);
+  }
+  // Key block kb of KV head hk into its tiles in the engine's format, through the f32 rows of
+  // one tile at `stage_k` / `stage_v` (kBlockKeys rows each).
+  void pack_tiles(i64 b, i64 hk, std::size_t kb, float* stage_k, float* stage_v) const {
+    const VideoBlock& block = tiling.keys.blocks()[kb];
+    i64 tile = block_tile0[kb];
+    for (i64 j0 = block.begin; j0 < block.end; j0 += kBlockKeys, ++tile) {
+      const i64 n = std::min(kBlockKeys, block.end - j0);
+      pack_rows(b, hk, j0, j0 + n, stage_k, stage_v);
+      unsigned char* at = tiles + std::size_t(tile) * tile_bytes;
+      kk().pack_k(stage_k, plan.ld_k, int(n), int(p.d), at);
+      kk().pack_v(stage_v, plan.ld_v, int(n), int(plan.dv_padded), at + plan.k_tile_bytes);
+    }
+  }
+  // Key positions [pos0, pos1) as f32 rows from kd0 / vd0 on (strides ld_k / ld_v).
+  void pack_rows(i64 b, i64 hk, i64 pos0, i64 pos1, float* kd0, float* vd0) const {
     const i64 d = p.d, dv = p.dv;
     for (i64 pos = pos0; pos < pos1; ++pos) {
-      float* kd = k_packed + pos * plan.ld_k;
-      float* vd = v_packed + pos * plan.ld_v;
+      float* kd = kd0 + (pos - pos0) * plan.ld_k;
+      float* vd = vd0 + (pos - pos0) * plan.ld_v;
       if (!key_ok[std::size_t(pos)]) {  // hidden: zeros, so that 0-weights never meet a NaN
         std::fill(kd, kd + plan.ld_k, 0.0f);
         std::fill(vd, vd + plan.ld_v, 0.0f);
@@ -222,18 +253,8 @@ struct Call {
           all = all && slot.ok[jj];
         }
         if (!any) continue;
-        const void* k_tile = slot.k;
-        const void* v_tile = slot.v;
-        if (call.kk().pack_k != nullptr) {
-          auto* kv = static_cast<unsigned char*>(slot.kv);
-          call.kk().pack_k(slot.k, plan.ld_k, int(keys), int(call.p.d), kv);
-          call.kk().pack_v(slot.v, plan.ld_v, int(keys), int(plan.dv_padded),
-                           kv + plan.k_tile_bytes);
-          k_tile = kv;
-          v_tile = kv + plan.k_tile_bytes;
-        }
         flash::KeyTile& tile = t.ring[std::size_t(slot_index)];
-        tile = {k_tile, v_tile, int(keys), !all, slot_index};
+        tile = {slot.k, slot.v, int(keys), !all, slot_index};
         return &tile;
       }
       return nullptr;
@@ -247,12 +268,47 @@ struct Call {
     }
   };
 
+  // The selected key blocks of one item as tiles packed once per call (engines with their own
+  // operand format): no gathering or packing per item. KeyTile::j0 is the tile's first key
+  // position; tiles without a visible key are left out.
+  struct TileRef {
+    i64 tile, j0, n;
+    bool all;  // every key visible
+  };
+  struct SelectedTiles {
+    const Call& call;
+    const std::vector<TileRef>& refs;
+    int rows;
+    std::array<flash::KeyTile, flash::kMaxPanelTiles> ring{};
+
+    const unsigned char* at(std::size_t n) const {
+      return call.tiles + std::size_t(refs[n].tile) * call.tile_bytes;
+    }
+    static const flash::KeyTile* next(void* ctx, int n) {
+      auto& t = *static_cast<SelectedTiles*>(ctx);
+      if (std::size_t(n) >= t.refs.size()) return nullptr;
+      // No software prefetch: each tile is 2 x 16 KiB or so of contiguous bytes, which the
+      // hardware streams; a whole tile's prefetches two tiles ahead measured no better.
+      const TileRef& r = t.refs[std::size_t(n)];
+      const unsigned char* k = t.at(std::size_t(n));
+      flash::KeyTile& tile = t.ring[std::size_t(n % t.call.kk().panel_tiles)];
+      tile = {k, k + t.call.plan.k_tile_bytes, int(r.n), !r.all, r.j0};
+      return &tile;
+    }
+    static void logits(void* ctx, const flash::KeyTile& tile, float* st, i64 rs, i64 ks) {
+      auto& t = *static_cast<SelectedTiles*>(ctx);
+      const char* ok = t.call.key_ok.data() + tile.j0;
+      for (i64 jj = 0; jj < tile.keys; ++jj)
+        if (!ok[jj])
+          for (i64 r = 0; r < t.rows; ++r) st[r * rs + jj * ks] = kNegInf;
+    }
+  };
+
   void process(i64 b, const Item& it, float* scratch) const {
     const i64 d = p.d, dvp = plan.dv_padded, nrows = it.count;
     const i64 rows_p = round_up(nrows, kk().row_align);
     ScratchLayout layout(scratch);
-    Tile s = Tile::carve(layout, d, dvp, plan.ld_k, plan.ld_v, plan.workspace_bytes,
-                         plan.k_tile_bytes + plan.v_tile_bytes, kk().panel_tiles);
+    Tile s = carve(layout);
     // Engines with their own operand formats take Q unscaled and scale the logits in f32.
     const bool own_format = kk().pack_q != nullptr;
     const float q_scale = own_format ? 1.0f : qscale;
@@ -274,6 +330,47 @@ struct Call {
 
     const auto& kblocks = tiling.keys.blocks();
     const auto selected = map.selected(b, h, it.qblock);
+    const flash::ItemState state{s.qt,   s.st,     s.ld_rows, s.o,        s.ld_o,
+                                 s.m,    s.l,      s.alpha,   int(nrows), int(rows_p),
+                                 int(d), int(dvp), plan.ld_k, plan.ld_v,  s.ws};
+    if (own_format) {
+      thread_local std::vector<TileRef> refs;
+      refs.clear();
+      for (const std::int32_t kb : selected) {
+        const VideoBlock& block = kblocks[std::size_t(kb)];
+        i64 tile = block_tile0[std::size_t(kb)];
+        for (i64 j0 = block.begin; j0 < block.end; j0 += kBlockKeys, ++tile) {
+          const i64 n = std::min(kBlockKeys, block.end - j0);
+          const char* ok = key_ok.data() + j0;
+          const bool any = std::find(ok, ok + n, 1) != ok + n;
+          if (any) refs.push_back({tile, j0, n, std::find(ok, ok + n, 0) == ok + n});
+        }
+      }
+      SelectedTiles produce{*this, refs, int(nrows)};
+      flash::attend(kk(), {&SelectedTiles::next, &SelectedTiles::logits, &produce}, state);
+    } else {
+      attend_chunks(selected, s, int(nrows), state);
+    }
+
+    const bool gated = gate.has_value();
+    if (gated) coarse(b, h, it.qblock, s.coarse);
+    const flash::OutputRows out(p, kk());
+    for (i64 r = 0; r < nrows; ++r) {
+      const i64 row = tiling.queries.order()[std::size_t(positions[r])];
+      float* o_row = s.o + r * s.ld_o;
+      if (gated && s.l[r] > 0.0f) {  // fine / l + gate * coarse, then written as it is
+        add_gated(b, h, row, 1.0f / s.l[r], o_row, s.coarse);
+        out.finish(o_row, s.m[r], s.l[r], b, h, row, 1.0f);
+      } else {
+        out.finish(o_row, s.m[r], s.l[r], b, h, row);
+      }
+    }
+  }
+
+  // The f32 engines' inner loop over the selected blocks of one item, gathered into chunks.
+  void attend_chunks(std::span<const std::int32_t> selected, Tile& s, int rows,
+                     const flash::ItemState& state) const {
+    const auto& kblocks = tiling.keys.blocks();
     // Chunks of at most kBlockKeys packed rows; neighbouring selected blocks are one run.
     // The selected runs are cut and packed into chunks of kBlockKeys keys (the last one
     // shorter), each copied from the packed buffer into scratch before the kernels run on it:
@@ -303,29 +400,12 @@ struct Call {
       }
     }
     // The engine's inner loop (flash/kernels.hpp, the contract) over the chunks, produced one
-    // by one: gathered, packed in the engine's format, chunks with no visible key skipped, and
-    // the hook hiding the keys a chunk holds but may not show.
-    SelectedChunks produce{*this, s, pieces, chunks, int(nrows)};
+    // by one: gathered, chunks with no visible key skipped, and the hook hiding the keys a
+    // chunk holds but may not show.
+    SelectedChunks produce{*this, s, pieces, chunks, rows};
     const flash::ItemKeys keys{&SelectedChunks::next, &SelectedChunks::logits, &produce};
-    const flash::ItemState state{s.qt,   s.st,     s.ld_rows, s.o,        s.ld_o,
-                                 s.m,    s.l,      s.alpha,   int(nrows), int(rows_p),
-                                 int(d), int(dvp), plan.ld_k, plan.ld_v,  s.ws};
     if (chunks.size() > 1) produce.prefetch_chunk(1);
     flash::attend(kk(), keys, state);
-
-    const bool gated = gate.has_value();
-    if (gated) coarse(b, h, it.qblock, s.coarse);
-    const flash::OutputRows out(p, kk());
-    for (i64 r = 0; r < nrows; ++r) {
-      const i64 row = tiling.queries.order()[std::size_t(positions[r])];
-      float* o_row = s.o + r * s.ld_o;
-      if (gated && s.l[r] > 0.0f) {  // fine / l + gate * coarse, then written as it is
-        add_gated(b, h, row, 1.0f / s.l[r], o_row, s.coarse);
-        out.finish(o_row, s.m[r], s.l[r], b, h, row, 1.0f);
-      } else {
-        out.finish(o_row, s.m[r], s.l[r], b, h, row);
-      }
-    }
   }
 
   // Asks for packed rows [j0, j0 + n) of K and V while the current chunk computes.
@@ -423,7 +503,7 @@ class VideoSparseImpl final : public Impl {
     }
     plan->scratch_floats =
         Tile::floats(p.d, plan->dv_padded, plan->ld_k, plan->ld_v, plan->workspace_bytes,
-                     plan->k_tile_bytes + plan->v_tile_bytes, kk.panel_tiles);
+                     kk.pack_k != nullptr ? 1 : kk.panel_tiles);
     return plan;
   }
 
@@ -442,15 +522,33 @@ class VideoSparseImpl final : public Impl {
 
     // This call's packed K/V buffer, leased from the layer's pool: concurrent calls on one
     // layer each get their own and never wait for each other's.
+    // f32 engines: f32 rows; engines with their own format: each key block's tiles.
     const auto lease = packed_.acquire();
     const i64 used_k = t.keys.used_len();
-    float* packed = lease->get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
-    Call call{
-        p,  plan, t,  map, pooled ? &*pooled : nullptr, o.gate, packed, packed + used_k * plan.ld_k,
-        {}, {},   {}, 1.0f};
-    call.qscale = static_cast<float>(p.softmax_scale);
     const auto& qblocks = t.queries.blocks();
     const auto& kblocks = t.keys.blocks();
+    const bool own_format = plan.kernels.pack_k != nullptr;
+    std::vector<i64> block_tile0(kblocks.size() + 1, 0);
+    for (std::size_t kb = 0; kb < kblocks.size(); ++kb)
+      block_tile0[kb + 1] =
+          block_tile0[kb] + (kblocks[kb].end - kblocks[kb].begin + kBlockKeys - 1) / kBlockKeys;
+    const std::size_t tile_bytes = plan.k_tile_bytes + plan.v_tile_bytes;
+    float* packed =
+        own_format ? lease->get((std::size_t(block_tile0.back()) * tile_bytes + sizeof(float) - 1) /
+                                sizeof(float))
+                   : lease->get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
+    Call call{p,      plan,    t,       map,     pooled ? &*pooled : nullptr,
+              o.gate, nullptr, nullptr, nullptr, 0,
+              {},     {},      {},      {},      1.0f};
+    if (own_format) {
+      call.tiles = reinterpret_cast<unsigned char*>(packed);
+      call.tile_bytes = tile_bytes;
+      call.block_tile0 = std::move(block_tile0);
+    } else {
+      call.k_packed = packed;
+      call.v_packed = packed + used_k * plan.ld_k;
+    }
+    call.qscale = static_cast<float>(p.softmax_scale);
     for (i64 b = 0; b < p.batch; ++b) {
       // Valid query rows (inside a segment, used), visible keys (key range, mask).
       std::vector<char> q_ok(std::size_t(p.sq), 0);
@@ -480,13 +578,19 @@ class VideoSparseImpl final : public Impl {
         detail::ParallelFault fault;  // kept inside the region, rethrown after it
 #pragma omp parallel num_threads(plan.threads)
         {
+          float* scratch = nullptr;
+          fault.run([&] { scratch = flash::thread_floats(plan.scratch_floats); });
 #pragma omp for schedule(dynamic, 4)
           for (i64 kb = 0; kb < nkb; ++kb)
             fault.run([&] {
-              call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
+              if (own_format) {
+                ScratchLayout layout(scratch);
+                const Tile stage = call.carve(layout);
+                call.pack_tiles(b, hk, std::size_t(kb), stage.slots[0].k, stage.slots[0].v);
+              } else {
+                call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
+              }
             });
-          float* scratch = nullptr;
-          fault.run([&] { scratch = flash::thread_floats(plan.scratch_floats); });
           const TileKernels& kk = plan.kernels;
           const bool tiles = kk.thread_begin != nullptr && !fault.failed();
           if (tiles) kk.thread_begin();
