@@ -53,7 +53,8 @@ struct KeyTile {
   // keys lie past a row's position limit, or a mask hides or shifts some of them.
   bool hook;
   // The driver's reference for its hook (FLASH: the tile's first key; VIDEO_SPARSE: the slot
-  // that holds the chunk).
+  // that holds the gathered chunk, or for engines with their own format the tile's first key
+  // position).
   std::int64_t j0;
   // Where the tile after this one lies, if the driver knows (FLASH: the next tile of the panel,
   // K then V, `next_bytes` in all), for the engine to prefetch while it computes this one;
@@ -62,9 +63,9 @@ struct KeyTile {
   std::size_t next_bytes = 0;
 };
 
-// Prefetches [from, to) of the `bytes` at `at` into L2 (nothing when `at` is null): engines
-// spread a tile's prefetches over its steps, since one burst for a whole tile stalls on full
-// fill buffers.
+// Prefetches bytes [from, to) from `at` on into L2 (nothing when `at` is null): engines spread
+// a tile's prefetches over their steps, since one burst for a whole tile stalls on full fill
+// buffers.
 inline void prefetch_l2(const void* at, std::size_t from, std::size_t to) {
   if (at == nullptr) return;
   const auto* p = static_cast<const char*>(at);
@@ -170,9 +171,8 @@ struct TileKernels {
 };
 
 // The inner loop of the engines that work tile by tile on S^T: qk, the hook where the tile asks
-// for it, softmax_tile, pv.
-// The next tile comes into L2 in four parts, one before each step (a long sequence's panels
-// outgrow L2, and each work item streams them again).
+// for it, softmax_tile, pv. The next tile comes into L2 in four parts, one before each step (a
+// long sequence's panels outgrow L2, and each work item streams them again).
 inline void attend_tile_by_tile(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) {
   for (int n = 0;; ++n) {
     const KeyTile* t = keys.tile(keys.ctx, n);
