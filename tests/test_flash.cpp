@@ -683,7 +683,9 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
             const float want = s[r * kLds + j], got = bf16_to_f32(p16[j]);
             ASSERT_NEAR(got, want, 2e-4 * want + want / 256.0f)
                 << what << " row " << r << " key " << j;
-            if (want == 0.0f) ASSERT_EQ(p16[j], 0) << what << " key " << j;
+            if (want == 0.0f) {
+              ASSERT_EQ(p16[j], 0) << what << " key " << j;
+            }
           }
           for (int j = keys; j < 2 * pairs; ++j) ASSERT_EQ(p16[j], 0) << what << " pad " << j;
           for (int j = 2 * pairs; j < 2 * kLdp; ++j)

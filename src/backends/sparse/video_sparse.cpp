@@ -310,8 +310,7 @@ struct Call {
     ScratchLayout layout(scratch);
     Tile s = carve(layout);
     // Engines with their own operand formats take Q unscaled and scale the logits in f32.
-    const bool own_format = kk().pack_q != nullptr;
-    const float q_scale = own_format ? 1.0f : qscale;
+    const float q_scale = own_format() ? 1.0f : qscale;
     const i64 h = it.head;
     const i64* positions = rows.data() + it.first;
     for (i64 r = 0; r < nrows; ++r) {
@@ -326,14 +325,14 @@ struct Call {
     std::fill(s.m, s.m + rows_p, kNegInf);
     std::fill(s.l, s.l + rows_p, 0.0f);
     std::fill(s.o, s.o + rows_p * s.ld_o, 0.0f);
-    if (own_format) kk().pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), qscale, s.ws);
+    if (own_format()) kk().pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), qscale, s.ws);
 
     const auto& kblocks = tiling.keys.blocks();
     const auto selected = map.selected(b, h, it.qblock);
     const flash::ItemState state{s.qt,   s.st,     s.ld_rows, s.o,        s.ld_o,
                                  s.m,    s.l,      s.alpha,   int(nrows), int(rows_p),
                                  int(d), int(dvp), plan.ld_k, plan.ld_v,  s.ws};
-    if (own_format) {
+    if (own_format()) {
       thread_local std::vector<TileRef> refs;
       refs.clear();
       for (const std::int32_t kb : selected) {
@@ -368,7 +367,7 @@ struct Call {
   }
 
   // The f32 engines' inner loop over the selected blocks of one item, gathered into chunks.
-  void attend_chunks(std::span<const std::int32_t> selected, Tile& s, int rows,
+  void attend_chunks(std::span<const std::int32_t> selected, Tile& s, int nrows,
                      const flash::ItemState& state) const {
     const auto& kblocks = tiling.keys.blocks();
     // Chunks of at most kBlockKeys packed rows; neighbouring selected blocks are one run.
@@ -402,7 +401,7 @@ struct Call {
     // The engine's inner loop (flash/kernels.hpp, the contract) over the chunks, produced one
     // by one: gathered, chunks with no visible key skipped, and the hook hiding the keys a
     // chunk holds but may not show.
-    SelectedChunks produce{*this, s, pieces, chunks, rows};
+    SelectedChunks produce{*this, s, pieces, chunks, nrows};
     const flash::ItemKeys keys{&SelectedChunks::next, &SelectedChunks::logits, &produce};
     if (chunks.size() > 1) produce.prefetch_chunk(1);
     flash::attend(kk(), keys, state);

@@ -6,8 +6,8 @@
 struct Vec {
   using reg = __m512;
   static constexpr int W = 16;
-  static constexpr int kVectors =
-      4;  // micro-tiles of 6 x 64 (K.Q^T: keys x rows; P.V: rows x columns)
+  // Micro-tiles of 6 x 64 (K.Q^T: keys x rows; P.V: rows x columns).
+  static constexpr int kVectors = 4;
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float f) { return _mm512_set1_ps(f); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -31,15 +31,16 @@ struct Vec {
   // 2^x = 2^f 2^n with n = round(x), f = x - n in [-1/2, 1/2] (kExp2Poly), vscalefps applying
   // 2^n. Lanes below -126 (-inf included) are zeroed by the mask, so no clamp is needed; NaN
   // stays NaN (not-less-than is true for NaN, and every step keeps it).
-  static reg exp2_nonpositive(reg x) {
+  static reg exp2_nonpositive(reg x) { return exp2_poly(x, kExp2Poly); }
+  // The same with 2^f = 1 + f (c[0] + f (c[1] + ...)) for any coefficients c.
+  template <std::size_t N>
+  static reg exp2_poly(reg x, const float (&c)[N]) {
     const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
     const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = _mm512_sub_ps(x, n);
-    reg p = _mm512_set1_ps(kExp2Poly[4]);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[3]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[2]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[1]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[0]));
+    reg p = _mm512_set1_ps(c[N - 1]);
+#pragma GCC unroll 8
+    for (int i = int(N) - 2; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(visible, p, n);
   }

@@ -109,16 +109,7 @@ struct Tiles {
 // instead of in integer steps.
 #include "backends/flash/cpu/avx512_vec.hpp"
 struct SoftmaxVec : Vec {
-  static reg exp2_nonpositive_bf16(reg x) {
-    const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-    const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const reg f = _mm512_sub_ps(x, n);
-    reg p = _mm512_set1_ps(kExp2PolyBf16[2]);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2PolyBf16[1]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2PolyBf16[0]));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(visible, p, n);
-  }
+  static reg exp2_nonpositive_bf16(reg x) { return exp2_poly(x, kExp2PolyBf16); }
   static void store_bf16(std::uint16_t* p, reg r) {
     // A vector cast, as in avx512_bf16_ops.hpp.
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(r));  // NOLINT

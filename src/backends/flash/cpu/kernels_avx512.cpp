@@ -2,6 +2,7 @@
 // and 6 rows x 64 columns (P.V), 24 of the 32 registers as accumulators.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <numbers>

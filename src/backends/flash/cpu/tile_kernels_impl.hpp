@@ -20,6 +20,18 @@ constexpr int vectors_per_tile() {
   }
 }
 
+// f.template operator()<n>() for a count n known only at run time, 1 <= n <= N (nothing
+// otherwise): the remainder micro-tiles, whose sizes must be compile-time constants.
+template <int N, class F>
+inline void for_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N)
+      f.template operator()<N>();
+    else
+      for_count<N - 1>(n, f);
+  }
+}
+
 // ST[j][r0..r0+NV W) for MK keys starting at `k`.
 template <class V, int MK, int NV>
 inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
@@ -59,27 +71,9 @@ inline void qk_rows(const float* k, std::int64_t ldk, const float* qt, std::int6
   int j = 0;
   for (; j + 6 <= keys; j += 6)
     qk_keys<V, 6, NV>(k + j * ldk, ldk, qt, ldqt, st + j * ldst, ldst, d);
-  const float* kj = k + j * ldk;
-  float* sj = st + j * ldst;
-  switch (keys - j) {
-    case 5:
-      qk_keys<V, 5, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
-      break;
-    case 4:
-      qk_keys<V, 4, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
-      break;
-    case 3:
-      qk_keys<V, 3, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
-      break;
-    case 2:
-      qk_keys<V, 2, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
-      break;
-    case 1:
-      qk_keys<V, 1, NV>(kj, ldk, qt, ldqt, sj, ldst, d);
-      break;
-    default:
-      break;
-  }
+  for_count<5>(keys - j, [&]<int MK>() {
+    qk_keys<V, MK, NV>(k + j * ldk, ldk, qt, ldqt, st + j * ldst, ldst, d);
+  });
 }
 
 // Row blocks of NV W rows (the last, if shorter, of 2 W: rows_p is a multiple of 2 W), each
@@ -193,31 +187,11 @@ inline void pv_chunk(const float* pt, std::int64_t ldpt, const float* v, std::in
   for (int n = 0; n < sixes; ++n, r += 6)
     pv_rows<V, 6, NV>(pt + r, ldpt, v, ldv, o + r * ldo, ldo, alpha + r, keys);
   while (r < rows) {
-    const float* pr = pt + r;
-    float* orow = o + r * ldo;
-    const float* ar = alpha + r;
-    switch (rows - r) {
-      case 1:
-        pv_rows<V, 1, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
-        r += 1;
-        break;
-      case 2:
-        pv_rows<V, 2, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
-        r += 2;
-        break;
-      case 3:
-        pv_rows<V, 3, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
-        r += 3;
-        break;
-      case 5:
-        pv_rows<V, 5, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
-        r += 5;
-        break;
-      default:  // 4, or 8 = 4 + 4
-        pv_rows<V, 4, NV>(pr, ldpt, v, ldv, orow, ldo, ar, keys);
-        r += 4;
-        break;
-    }
+    const int n = rows - r == 8 ? 4 : rows - r;  // what is left: 1-5, or 8 = 4 + 4
+    for_count<5>(n, [&]<int MR>() {
+      pv_rows<V, MR, NV>(pt + r, ldpt, v, ldv, o + r * ldo, ldo, alpha + r, keys);
+    });
+    r += n;
   }
 }
 
