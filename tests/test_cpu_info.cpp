@@ -48,7 +48,7 @@ TEST(CpuInfo, DetectedOnceAndStable) {
 
 TEST(CpuInfo, FlagImplications) {
   const CpuFeatures& f = cpu_features();
-  if (f.avx512bw || f.avx512vl || f.avx512_bf16 || f.avx512_vnni || f.avx512_fp16) {
+  if (f.avx512bw || f.avx512dq || f.avx512vl || f.avx512_bf16 || f.avx512_vnni || f.avx512_fp16) {
     EXPECT_TRUE(f.avx512f);
   }
 #if defined(__x86_64__)
@@ -68,6 +68,7 @@ TEST(CpuInfo, NamesListExactlyTheTrueFlags) {
       {f.f16c, "f16c"},
       {f.avx512f, "avx512f"},
       {f.avx512bw, "avx512bw"},
+      {f.avx512dq, "avx512dq"},
       {f.avx512vl, "avx512vl"},
       {f.avx512_bf16, "avx512_bf16"},
       {f.avx512_vnni, "avx512_vnni"},
@@ -106,6 +107,7 @@ TEST(CpuInfo, MatchesProcCpuinfo) {
   EXPECT_EQ(f.f16c, has("f16c"));
   EXPECT_EQ(f.avx512f, has("avx512f"));
   EXPECT_EQ(f.avx512bw, has("avx512bw"));
+  EXPECT_EQ(f.avx512dq, has("avx512dq"));
   EXPECT_EQ(f.avx512vl, has("avx512vl"));
   EXPECT_EQ(f.avx512_bf16, has("avx512_bf16"));
   EXPECT_EQ(f.avx512_vnni, has("avx512_vnni"));

@@ -644,8 +644,13 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
   if (!e.available()) GTEST_SKIP() << GetParam() << " is not available here";
   const flash::TileKernels& kk = e.kernels();
   ASSERT_NE(kk.softmax_rows_pairs, nullptr);
-  constexpr int kRows = 5, kLds = 272, kLdp = 144;
+  // 37 rows: two groups of 16 where an engine reduces rows in groups, and a tail; the special
+  // rows in the first group, the second and the tail.
+  constexpr int kRows = 37, kLds = 272, kLdp = 144;
   constexpr float kScale = 0.125f;
+  const auto far_down = [](int r) { return r % 16 == 2; };
+  const auto hidden = [](int r) { return r % 16 == 3; };
+  const auto has_nan = [](int r) { return r % 16 == 4; };
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.0f, 3.0f);
   for (const int keys : {1, 17, 64, 250, 256})
@@ -653,14 +658,20 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
       const int pairs = ((keys + 1) / 2 + 15) / 16 * 16;
       std::vector<float> s(kRows * kLds), m1(kRows, -INFINITY), l1(kRows, 0.0f), a1(kRows),
           m2 = m1, l2 = l1, a2(kRows);
-      for (int panel = 0; panel < 2; ++panel) {
+      std::vector<double> m_want(kRows, -INFINITY), l_want(kRows, 0.0);
+      for (int panel = 0; panel < 3; ++panel) {
+        // Row r's logits grow with the panel in some rows (the reference moves), not in others.
         for (int r = 0; r < kRows; ++r)
-          for (int j = 0; j < keys; ++j) s[r * kLds + j] = nd(rng) * float(panel + 1);
-        for (int j = 0; j < keys; ++j) {
-          s[2 * kLds + j] = -1e38f;  // far down the range, finite (raw: -1.25e37 natural)
-          if (!raw) s[3 * kLds + j] = -INFINITY;  // hidden
-        }
-        s[4 * kLds + keys / 2] = NAN;
+          for (int j = 0; j < keys; ++j)
+            s[r * kLds + j] = nd(rng) * (r % 3 == 0 ? 1.0f : float(panel + 1));
+        for (int r = 0; r < kRows; ++r)
+          for (int j = 0; j < keys; ++j) {
+            if (far_down(r)) s[r * kLds + j] = -1e38f;  // finite (raw: -1.25e37 natural)
+            if (hidden(r) && !raw) s[r * kLds + j] = -INFINITY;
+          }
+        for (int r = 0; r < kRows; ++r)
+          if (has_nan(r)) s[r * kLds + keys / 2] = NAN;
+        const std::vector<float> logits = s;
         std::vector<float> s2 = s;
         std::vector<std::uint32_t> p(kRows * kLdp, 0xdeadbeefu);
         kk.softmax_rows(s.data(), kLds, kRows, keys, kScale, raw, m1.data(), l1.data(), a1.data());
@@ -670,17 +681,35 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
                                  (raw ? " raw" : " natural") + " panel " + std::to_string(panel);
         for (int r = 0; r < kRows; ++r) {
           const auto* p16 = reinterpret_cast<const std::uint16_t*>(p.data() + r * kLdp);
-          if (r == 4) {  // the NaN row
-            EXPECT_TRUE(std::isnan(l1[r])) << what;
-            EXPECT_TRUE(std::isnan(l2[r])) << what;
-            EXPECT_TRUE(std::isnan(bf16_to_f32(p16[keys / 2]))) << what;
+          if (has_nan(r)) {
+            EXPECT_TRUE(std::isnan(l1[r])) << what << " row " << r;
+            EXPECT_TRUE(std::isnan(l2[r])) << what << " row " << r;
+            EXPECT_TRUE(std::isnan(bf16_to_f32(p16[keys / 2]))) << what << " row " << r;
             continue;
           }
-          EXPECT_EQ(m1[r], m2[r]) << what << " row " << r;
-          EXPECT_NEAR(l2[r], l1[r], 2e-4 * std::abs(l1[r])) << what << " row " << r;
-          EXPECT_NEAR(a2[r], a1[r], 2e-4 * a1[r]) << what << " row " << r;
+          // The lazy reference (kMaxHeadroom past the largest scaled logit when one passes it),
+          // alpha and the running sum in double from the logits.
+          const float sc = raw ? kScale : 1.0f;
+          float top = -INFINITY;
+          for (int j = 0; j < keys; ++j) top = std::max(top, logits[r * kLds + j] * sc);
+          const float m_old = float(m_want[r]);
+          const float m_new = top > m_old ? top + flash::kMaxHeadroom : m_old;
+          const double m_use = m_new == -INFINITY ? 0.0 : double(m_new);
+          const double alpha = std::exp(double(m_old) - m_use);
+          double sum = 0.0;
+          for (int j = 0; j < keys; ++j) sum += std::exp(double(logits[r * kLds + j]) * sc - m_use);
+          m_want[r] = m_new;
+          l_want[r] = l_want[r] * alpha + sum;
+          EXPECT_EQ(m1[r], m_new) << what << " row " << r;
+          EXPECT_EQ(m2[r], m_new) << what << " row " << r;
+          EXPECT_NEAR(a1[r], alpha, 1e-5 * alpha) << what << " row " << r;
+          EXPECT_NEAR(a2[r], alpha, 2e-4 * alpha) << what << " row " << r;
+          EXPECT_NEAR(l1[r], l_want[r], 2e-5 * l_want[r]) << what << " row " << r;
+          EXPECT_NEAR(l2[r], l_want[r], 2e-4 * l_want[r]) << what << " row " << r;
           for (int j = 0; j < keys; ++j) {
             const float want = s[r * kLds + j], got = bf16_to_f32(p16[j]);
+            const double exact = std::exp(double(logits[r * kLds + j]) * sc - m_use);
+            ASSERT_NEAR(want, exact, 1e-5 * exact + 1e-30) << what << " row " << r << " key " << j;
             ASSERT_NEAR(got, want, 2e-4 * want + want / 256.0f)
                 << what << " row " << r << " key " << j;
             if (want == 0.0f) {
@@ -691,13 +720,16 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
           for (int j = 2 * pairs; j < 2 * kLdp; ++j)
             ASSERT_EQ(p16[j], j % 2 == 0 ? 0xbeefu : 0xdeadu) << what << " past pairs " << j;
         }
-        // Far down the range: every key equally likely, and seen.
-        EXPECT_GT(l1[2], 0.0f) << what;
-        EXPECT_TRUE(std::isfinite(l1[2])) << what;
-        for (int j = 1; j < keys; ++j) ASSERT_EQ(s[2 * kLds + j], s[2 * kLds]) << what;
-        if (!raw) {
-          EXPECT_EQ(l1[3], 0.0f) << what;  // hidden: nothing seen
-          EXPECT_EQ(l2[3], 0.0f) << what;
+        for (int r = 0; r < kRows; ++r) {
+          if (far_down(r)) {  // far down the range: every key equally likely, and seen
+            EXPECT_GT(l1[r], 0.0f) << what;
+            EXPECT_TRUE(std::isfinite(l1[r])) << what;
+            for (int j = 1; j < keys; ++j) ASSERT_EQ(s[r * kLds + j], s[r * kLds]) << what;
+          }
+          if (hidden(r) && !raw) {  // hidden: nothing seen
+            EXPECT_EQ(l1[r], 0.0f) << what;
+            EXPECT_EQ(l2[r], 0.0f) << what;
+          }
         }
       }
     }

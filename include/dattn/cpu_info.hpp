@@ -12,9 +12,9 @@ namespace dattn {
 // What the CPU offers and the operating system has enabled. A flag is true only when both hold
 // (the AVX-512 and AMX flags also need the OS to save their registers, checked through XCR0).
 struct CpuFeatures {
-  bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512bw = false, avx512vl = false,
-       avx512_bf16 = false, avx512_vnni = false, avx512_fp16 = false, amx_tile = false,
-       amx_bf16 = false, neon = false;
+  bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512bw = false, avx512dq = false,
+       avx512vl = false, avx512_bf16 = false, avx512_vnni = false, avx512_fp16 = false,
+       amx_tile = false, amx_bf16 = false, neon = false;
   std::string vendor;    // cpuid vendor string ("GenuineIntel", "AuthenticAMD"); may be empty
   std::string brand;     // cpuid brand string ("AMD EPYC 7763 64-Core Processor"); may be empty
   int logical_cpus = 0;  // logical CPUs available (at least 1)

@@ -95,6 +95,7 @@ void detect_x86(CpuFeatures& f) {
   const Regs l7 = cpuid(7, 0);
   f.avx2 = avx && bit(l7.b, 5);
   f.avx512f = os_avx512 && bit(l7.b, 16);
+  f.avx512dq = f.avx512f && bit(l7.b, 17);
   f.avx512bw = f.avx512f && bit(l7.b, 30);
   f.avx512vl = f.avx512f && bit(l7.b, 31);
   f.avx512_vnni = f.avx512f && bit(l7.c, 11);
@@ -137,6 +138,7 @@ std::vector<std::string> CpuFeatures::names() const {
       {f16c, "f16c"},
       {avx512f, "avx512f"},
       {avx512bw, "avx512bw"},
+      {avx512dq, "avx512dq"},
       {avx512vl, "avx512vl"},
       {avx512_bf16, "avx512_bf16"},
       {avx512_vnni, "avx512_vnni"},

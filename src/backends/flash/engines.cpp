@@ -28,8 +28,8 @@ std::optional<std::string> needs_avx2() {
 std::optional<std::string> needs_avx512() {
   const CpuFeatures& f = cpu_features();
   if (needs_avx2()) return needs_avx2();
-  if (f.avx512f && f.avx512bw && f.avx512vl) return std::nullopt;
-  return std::string("this CPU lacks AVX-512 (F, BW and VL)");
+  if (f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl) return std::nullopt;
+  return std::string("this CPU lacks AVX-512 (F, BW, DQ and VL)");
 }
 
 std::optional<std::string> needs_avx512_bf16() {

@@ -19,6 +19,34 @@ struct Vec {
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
   static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
+  // Lane i: the largest lane (hmax_rows) or the sum of the lanes (hsum_rows) of x[i], sixteen
+  // horizontal reductions in one tree of 45 shuffles and operations (softmax_rows_to's groups
+  // of rows) instead of 16 x 8.
+  static reg hmax_rows(const reg (&x)[W]) { return reduce_rows<true>(x); }
+  static reg hsum_rows(const reg (&x)[W]) { return reduce_rows<false>(x); }
+  template <bool Max>
+  static reg combine(reg a, reg b) {
+    return Max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
+  }
+  template <bool Max>
+  static reg reduce_rows(const reg (&x)[W]) {
+    constexpr auto op = &combine<Max>;
+    // Each 128-bit lane of t[i]: two partial results of x[2i] (elements 0, 2) and of x[2i + 1]
+    // (1, 3); of u[i]: one of each of x[4i .. 4i + 3]; w[i]: rows 8i .. 8i + 7, two 128-bit lanes
+    // per group of four rows still to combine.
+    reg t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i)
+      t[i] = op(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
+                _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+      u[i] = op(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; ++i)
+      w[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return op(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
   static reg select_zero_if_neg_inf(reg x) {
     const __mmask16 is_neg_inf =
         _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);

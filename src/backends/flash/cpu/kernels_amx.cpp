@@ -25,16 +25,16 @@
 #include <immintrin.h>
 
 #if defined(__clang__)
-#pragma clang attribute push(                                                            \
-    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2," \
-                          "fma,f16c"))),                                                 \
+#pragma clang attribute push(                                                                \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16," \
+                          "avx2,fma,f16c"))),                                                \
     apply_to = function)
 #else
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 #endif
 
 namespace dattn::flash {
@@ -109,7 +109,18 @@ struct Tiles {
 // instead of in integer steps.
 #include "backends/flash/cpu/avx512_vec.hpp"
 struct SoftmaxVec : Vec {
-  static reg exp2_nonpositive_bf16(reg x) { return exp2_poly(x, kExp2PolyBf16); }
+  // 2^x = 2^f 2^floor(x): f = x - floor(x) in [0, 1) in one vreduceps (where rounding and a
+  // subtraction take three micro-ops), vscalefps applying 2^floor(x) from x itself. Lanes
+  // below -126 (-inf included) are zeroed by the mask; NaN stays NaN.
+  static reg exp2_nonpositive_bf16(reg x) {
+    const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    const reg f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const float(&c)[3] = kExp2PolyBf16;
+    reg q = _mm512_fmadd_ps(_mm512_set1_ps(c[2]), f, _mm512_set1_ps(c[1]));
+    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(c[0]));
+    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(visible, q, x);
+  }
   static void store_bf16(std::uint16_t* p, reg r) {
     // A vector cast, as in avx512_bf16_ops.hpp.
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(r));  // NOLINT
@@ -141,7 +152,8 @@ const TileKernels& amx_kernels() {
 }
 const TileKernels* amx_emulated_tiles_avx512_kernels() {
   const CpuFeatures& f = cpu_features();
-  if (!(f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16))
+  if (!(f.avx2 && f.fma && f.f16c && f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl &&
+        f.avx512_bf16))
     return nullptr;
   static const TileKernels k =
       bf16_tile_kernels("amx_emulated", avx512_kernels(), amx_impl::kEmulatedTileFunctions);
