@@ -350,8 +350,7 @@ typename V::reg row_probabilities(float* row, std::uint16_t* out16, int kp, type
 // TileKernels::softmax_rows (Pairs false) and softmax_rows_pairs (true): the rule of
 // softmax_tile along rows instead of columns. Where V reduces W vectors at once (hmax_rows,
 // hsum_rows), rows go in groups of W: their maxima, references and sums in vectors, one lane per
-// row, instead of two horizontal reductions and an exp per row (a third of the time of a row
-// of 256 keys on AVX-512).
+// row, instead of two horizontal reductions and a scalar exp per row.
 template <class V, bool Pairs>
 void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
                      float* m, float* l, float* alpha, std::uint32_t* p, std::int64_t ldp,
