@@ -1,5 +1,5 @@
 // The AVX-512 f32 vector type `V` of tile_kernels_impl.hpp (16 lanes). Include only inside a
-// target region that enables avx512f, avx512bw, avx512vl, avx2, fma and f16c, inside the
+// target region that enables avx512f, avx512bw, avx512dq, avx512vl, avx2, fma and f16c, inside the
 // engine's namespace, after <immintrin.h> and kernels.hpp: kernels_avx512.cpp, and
 // kernels_amx.cpp for the amx engine's softmax (with its bf16 conversion in AVX512-BF16).
 
@@ -60,12 +60,20 @@ struct Vec {
   // 2^n. Lanes below -126 (-inf included) are zeroed by the mask, so no clamp is needed; NaN
   // stays NaN (not-less-than is true for NaN, and every step keeps it).
   static reg exp2_nonpositive(reg x) { return exp2_poly(x, kExp2Poly); }
-  // The same with 2^f = 1 + f (c[0] + f (c[1] + ...)) for any coefficients c.
-  template <std::size_t N>
+  // The same with 2^f = 1 + f (c[0] + f (c[1] + ...)) for any coefficients c fitted on
+  // [-1/2, 1/2]; with Floor, for coefficients fitted on [0, 1): f = x - floor(x) from one
+  // vreduceps (AVX512-DQ; rounding and a subtraction take three micro-ops) and vscalefps
+  // applying 2^floor(x) from x itself.
+  template <bool Floor = false, std::size_t N>
   static reg exp2_poly(reg x, const float (&c)[N]) {
     const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-    const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const reg f = _mm512_sub_ps(x, n);
+    reg n = x, f;
+    if constexpr (Floor) {
+      f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    } else {
+      n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      f = _mm512_sub_ps(x, n);
+    }
     reg p = _mm512_set1_ps(c[N - 1]);
 #pragma GCC unroll 8
     for (int i = int(N) - 2; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));

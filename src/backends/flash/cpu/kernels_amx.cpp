@@ -104,23 +104,12 @@ struct Tiles {
 #include "backends/flash/cpu/amx_emulated_tiles.hpp"
 #include "backends/flash/cpu/amx_impl.hpp"
 
-// The row softmax of the AVX-512 kernels, its probabilities from a degree-3 exponential
-// (kExp2PolyBf16) and rounded to bf16 by vcvtneps2bf16 (round to nearest even, NaN kept)
-// instead of in integer steps.
+// The row softmax of the AVX-512 kernels, its probabilities from a degree-3 exponential on
+// x - floor(x) (kExp2PolyBf16) and rounded to bf16 by vcvtneps2bf16 (round to nearest even, NaN
+// kept) instead of in integer steps.
 #include "backends/flash/cpu/avx512_vec.hpp"
 struct SoftmaxVec : Vec {
-  // 2^x = 2^f 2^floor(x): f = x - floor(x) in [0, 1) in one vreduceps (where rounding and a
-  // subtraction take three micro-ops), vscalefps applying 2^floor(x) from x itself. Lanes
-  // below -126 (-inf included) are zeroed by the mask; NaN stays NaN.
-  static reg exp2_nonpositive_bf16(reg x) {
-    const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-    const reg f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const float(&c)[3] = kExp2PolyBf16;
-    reg q = _mm512_fmadd_ps(_mm512_set1_ps(c[2]), f, _mm512_set1_ps(c[1]));
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(c[0]));
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(visible, q, x);
-  }
+  static reg exp2_nonpositive_bf16(reg x) { return exp2_poly<true>(x, kExp2PolyBf16); }
   static void store_bf16(std::uint16_t* p, reg r) {
     // A vector cast, as in avx512_bf16_ops.hpp.
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(r));  // NOLINT

@@ -14,14 +14,15 @@
 
 // The instruction set of every function below: GCC's target pragma, or clang's equivalent.
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), \
-                             apply_to = function)
+#pragma clang attribute push(                                                    \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"))), \
+    apply_to = function)
 #else
 // GCC 12's AVX-512 headers trip its own uninitialized-value warnings (_mm512_undefined_*).
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
 #endif
 
 namespace dattn::flash {
