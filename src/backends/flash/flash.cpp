@@ -36,6 +36,7 @@
 #include "core/parallel_fault.hpp"
 #include "core/threads.hpp"
 #include "core/workspace_pool.hpp"
+#include "dattn/cpu_info.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/paged.hpp"
 
@@ -144,6 +145,7 @@ class FlashPlan final : public Plan {
   // K/V panels: one group per (segment, KV head) in item order, cut into waves.
   std::size_t k_tile_bytes = 0, v_tile_bytes = 0;  // one packed tile
   i64 ld_k = 0, ld_v = 0;                          // f32 engines: the rows' strides
+  bool prefetch_next = true;  // KeyTile::next named (prefetch_next_tile, tile_plan.hpp)
   std::vector<PanelGroup> groups;
   std::vector<std::pair<std::size_t, i64>> panel_tiles;  // (group, tile) in wave order
   std::vector<Wave> waves;
@@ -348,14 +350,15 @@ class Worker {
             std::size_t((t.j0 - seg.k_begin) / kBlockKeys) * plan.tile_bytes();
         // The engine may prefetch the next tile (KeyTile::next), spread over its steps: one
         // burst for a whole tile here (1152 lines for f32 at D 128) stalled on full fill
-        // buffers.
+        // buffers. Not on CPUs where the hardware's prefetch does better alone (the plan's
+        // prefetch_next).
         KeyTile& tile = t.ring[std::size_t(n % wk.kk_.panel_tiles)];
         tile = {at,
                 at + plan.k_tile_bytes,
                 int(keys),
                 t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none,
                 t.j0,
-                t.j0 + keys < t.kmax ? at + plan.tile_bytes() : nullptr,
+                plan.prefetch_next && t.j0 + keys < t.kmax ? at + plan.tile_bytes() : nullptr,
                 plan.tile_bytes()};
         t.j0 += kBlockKeys;
         return &tile;
@@ -561,7 +564,7 @@ class FlashImpl final : public Impl {
     auto plan =
         std::make_unique<FlashPlan>(p.signature, select_engine(cap_, operand_dtype(p), compute_));
     const i64 group = p.group_size();
-    plan->block = row_block(group);
+    plan->block = row_block(group, plan->kernels.item_rows);
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
     plan->threads = std::max(p.threads, 1);
     // Items that read the same K/V (one segment, one KV head) are consecutive, so the threads
@@ -636,6 +639,7 @@ class FlashImpl final : public Impl {
     const auto align = [](std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
     plan.ld_k = p.d + kStridePad;
     plan.ld_v = plan.dv_padded + kStridePad;
+    plan.prefetch_next = prefetch_next_tile(cpu_features().vendor);
     if (kk.k_tile_bytes != nullptr) {
       plan.k_tile_bytes = kk.k_tile_bytes(int(p.d));
       plan.v_tile_bytes = kk.v_tile_bytes(int(plan.dv_padded));

@@ -3,16 +3,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string_view>
 
 #include "backends/flash/kernels.hpp"
 
 namespace dattn::flash {
 
 // Query rows of one work item: a block of query rows times the heads of one GQA group that
-// share its K/V tiles, about kTargetRows in all. Example: GQA 4:1 gives 32 rows per head x 4
-// heads = 128; MHA gives 128 rows of one head; MQA with 24 query heads gives 5 rows x 24
-// heads = 120 (groups of more than kTargetRows heads are split into chunks).
-inline constexpr std::int64_t kTargetRows = 128;
+// share its K/V tiles, about `target` rows in all (the engine's TileKernels::item_rows; 128
+// unless it asks for more). Examples for 128: GQA 4:1 gives 32 rows per head x 4 heads = 128;
+// MHA gives 128 rows of one head; MQA with 24 query heads gives 5 rows x 24 heads = 120 (groups
+// of more than `target` heads are split into chunks).
+inline constexpr std::int64_t kTargetRows = kDefaultItemRows;
 // Keys per tile. 128 rows x 64 keys keep the tile scratch (Q^T, S^T, O and, for inputs that
 // need converting, K and V) at 224 KiB for D = Dv = 128, inside a 512 KiB L2.
 inline constexpr std::int64_t kBlockKeys = kTileKeys;
@@ -22,10 +24,21 @@ struct RowBlock {
   std::int64_t rows_per_head;
 };
 
-// Example: group 4 -> {4, 32}; group 1 -> {1, 128}; group 24 -> {24, 5}; 200 -> {128, 1}.
-constexpr RowBlock row_block(std::int64_t group) {
-  const std::int64_t heads = std::clamp<std::int64_t>(group, 1, kTargetRows);
-  return {heads, std::max<std::int64_t>(1, kTargetRows / heads)};
+// Example (target 128): group 4 -> {4, 32}; group 1 -> {1, 128}; group 24 -> {24, 5}; 200 ->
+// {128, 1}. Target 256: group 1 -> {1, 256}.
+constexpr RowBlock row_block(std::int64_t group, std::int64_t target = kTargetRows) {
+  const std::int64_t heads = std::clamp<std::int64_t>(group, 1, target);
+  return {heads, std::max<std::int64_t>(1, target / heads)};
+}
+
+// Whether the driver names each key tile's successor (KeyTile::next) for the tile-by-tile
+// engines to prefetch into L2, by the CPU's cpuid vendor. Measured, f32 flux-1024 on one core:
+// on AMD Zen 5 (1 MiB L2) 125 -> 129-132 GFLOP/s with it; on an Intel Xeon with AMX (2 MiB L2,
+// whose L2 streamer already follows the panel's back-to-back tiles) it cost 3% in `dattn bench`
+// (flux-1024 133.3 -> 137.7 without, sd35-1024 124.9 -> 128.2) and 30% in a microbenchmark of
+// the same loop, the software prefetches taking fill buffers from qk's own L1 misses.
+constexpr bool prefetch_next_tile(std::string_view cpu_vendor) {
+  return cpu_vendor != "GenuineIntel";
 }
 
 constexpr std::int64_t round_up(std::int64_t x, std::int64_t to) {

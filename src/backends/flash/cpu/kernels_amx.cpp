@@ -114,6 +114,11 @@ struct SoftmaxVec : Vec {
     // A vector cast, as in avx512_bf16_ops.hpp.
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(r));  // NOLINT
   }
+  // r0 then r1 as 32 bf16 from one vcvtne2ps2bf16 (two micro-ops, where two vcvtneps2bf16
+  // take four) and one store.
+  static void store_bf16_pair(std::uint16_t* p, reg r0, reg r1) {
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));  // NOLINT
+  }
 };
 #include "backends/flash/cpu/tile_kernels_impl.hpp"
 

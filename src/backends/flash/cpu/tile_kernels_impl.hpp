@@ -330,12 +330,20 @@ typename V::reg row_probabilities(float* row, std::uint16_t* out16, int kp, type
     else
       V::store(row + j, x);
   };
+  // Two vectors at once where V converts them to bf16 in one instruction (store_bf16_pair).
+  const auto put_pair = [&](int j, R x0, R x1) {
+    if constexpr (Pairs && requires { V::store_bf16_pair(out16, x0, x1); }) {
+      V::store_bf16_pair(out16 + j, x0, x1);
+    } else {
+      put(j, x0);
+      put(j + V::W, x1);
+    }
+  };
   R sum0 = zero, sum1 = zero;
   int j = 0;
   for (; j + 2 * V::W <= kp; j += 2 * V::W) {
     const R p0 = prob(V::load(row + j)), p1 = prob(V::load(row + j + V::W));
-    put(j, p0);
-    put(j + V::W, p1);
+    put_pair(j, p0, p1);
     sum0 = V::add(sum0, p0);
     sum1 = V::add(sum1, p1);
   }
