@@ -30,16 +30,21 @@
 
 constexpr int kPairsPerTile = 16;  // a tile row: 64 bytes = 16 pairs = 32 bf16
 constexpr int kKeyPairs = kTileKeys / 2;
-// Key tiles per panel: the logits of 4 x 64 keys per row (128 rows: 136 KiB) and their pairs.
-constexpr int kPanelTiles = 4;
+// Key tiles per panel, and query rows per work item. O goes through the tiles once per panel and
+// 32 x 32 block, and each round trip (four tile loads, four stores that the next block's loads
+// must wait for) costs about what 8 steps of its multiplies do: a harness of P.V alone ran at
+// 1232 GFLOP/s with 8 steps (4 tiles), 1510 with 16, 1674 with 32. Panels of 8 tiles (16 steps)
+// and items of 256 rows (each panel serves twice the rows while it is in L2), on a Xeon,
+// interleaved in one process, flux-1024: 1 thread 570 GFLOP/s (4 tiles, 128 rows) -> 602 (4,
+// 256) -> 654 (8, 256); 2 threads, 4 heads, 1120 -> 1185 -> 1271; sd35-1024 (D 64) 445 -> 462
+// from the panels. The logits of a panel for 256 rows take 528 KiB, their pairs 272 KiB: with
+// Q and the driver's O, about 1.2 MiB per thread at D 128, beside the 256 KiB panel in the 2
+// MiB L2 of every CPU with AMX (512 rows measured slower).
+constexpr int kPanelTiles = 8;
+constexpr int kItemRows = 256;
 constexpr int kLdS = kPanelTiles * kTileKeys + 16;  // floats
 constexpr int kLdP = kPanelTiles * kKeyPairs + 16;  // pairs
 static_assert(kPanelTiles <= kMaxPanelTiles);
-// Query rows per work item: 256 (about 850 KiB of scratch per thread at D 128, S and P of a
-// panel included, beside a 128 KiB panel in a 2 MiB L2) use each panel twice as often as 128
-// while it is in L2 (flux-1024, 2 threads, 4 heads, interleaved in one process: 1161 -> 1225
-// GFLOP/s best, sd35-1024 831 -> 851).
-constexpr int kItemRows = 256;
 
 struct Workspace {
   std::uint32_t *q, *p, *qt;
