@@ -11,6 +11,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__unix__)
+#include <unistd.h>
+#endif
+
 #include "core/amx_permission.hpp"
 #include "dattn/cpu_info.hpp"
 
@@ -44,6 +48,27 @@ TEST(CpuInfo, DetectedOnceAndStable) {
   if (hc > 0) {
     EXPECT_EQ(a.logical_cpus, static_cast<int>(hc));
   }
+}
+
+// The L2 size FLASH sizes its work items by: what sysfs says of cpu0's level-2 data or unified
+// cache, and glibc's sysconf (its own reading, from cpuid) agrees where it knows.
+TEST(CpuInfo, L2BytesMatchTheOperatingSystem) {
+  const long long l2 = cpu_features().l2_bytes;
+  EXPECT_GE(l2, 0);
+  std::ifstream size("/sys/devices/system/cpu/cpu0/cache/index2/size");
+  std::ifstream level("/sys/devices/system/cpu/cpu0/cache/index2/level");
+  int lv = 0;
+  std::string text;
+  if (level >> lv && lv == 2 && size >> text) {
+    EXPECT_GT(l2, 0) << text;
+    EXPECT_EQ(l2 % 1024, 0) << text;
+  }
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+  const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  if (n > 0) {
+    EXPECT_EQ(l2, n);
+  }
+#endif
 }
 
 TEST(CpuInfo, FlagImplications) {

@@ -11,8 +11,10 @@
 
 #include "backends/flash/engines.hpp"
 #include "backends/flash/kernels.hpp"
+#include "backends/flash/tile_plan.hpp"
 #include "core/prepare_call.hpp"
 #include "dattn/attention.hpp"
+#include "dattn/cpu_info.hpp"
 #include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
@@ -77,19 +79,22 @@ TEST(Flash, APlanRunsAgainOnNewDataOfTheSameShapes) {
 }
 
 // Every engine this CPU runs (bf16 inputs, so the bf16 engines plan their pair workspaces too):
-// the f32 engines stay within 256 KiB per thread (half of a 512 KiB L2), avx512_bf16 within
-// 256 KiB plus its workspace (Q and P as bf16 pairs: up to 64 KiB at D = 128; K and V live in
-// the per-call panels), and amx, whose work items have 256 rows and which keeps a key panel's
-// logits and probabilities of 8 tiles for them (800 KiB), within 1.25 MiB: the rest of the 2 MiB
-// L2 of every CPU with AMX holds the 256 KiB panel it streams.
+// with items of 128 rows (a core's L2 under 1 MiB) the f32 engines stay within 256 KiB per
+// thread (half of a 512 KiB L2) and avx512_bf16 within 256 KiB plus its workspace (Q and P as
+// bf16 pairs: up to 64 KiB at D = 128; K and V live in the per-call panels); with 256 rows (1
+// MiB of L2 or more) within twice that, still under half of the L2; amx, whose work items have
+// 256 rows and which keeps a key panel's logits and probabilities of 8 tiles for them (800 KiB),
+// within 1.25 MiB: the rest of the 2 MiB L2 of every CPU with AMX holds the 256 KiB panel it
+// streams.
 TEST(Flash, ScratchPerThreadStaysWithinTheEnginesL2BudgetUpToHeadSize128) {
+  const std::size_t rows_factor = cpu_features().l2_bytes >= (1ll << 20) ? 2 : 1;
   for (const EngineInfo& engine : flash_engines()) {
     if (engine.unavailable_reason) continue;
     SCOPED_TRACE(engine.name);
     const bool amx = engine.name.starts_with("amx");
     const std::size_t budget = amx                              ? 1280u * 1024u
-                               : engine.compute_dtype == "bf16" ? 352u * 1024u
-                                                                : 256u * 1024u;
+                               : engine.compute_dtype == "bf16" ? rows_factor * 352u * 1024u
+                                                                : rows_factor * 256u * 1024u;
     for (const auto& [hq, hkv] : {std::pair<i64, i64>{24, 24}, {28, 7}, {24, 1}})
       for (i64 d : {32, 64, 80, 96, 128}) {
         AttentionConfig c = flash_config(hq, hkv, d, false);
@@ -102,6 +107,34 @@ TEST(Flash, ScratchPerThreadStaysWithinTheEnginesL2BudgetUpToHeadSize128) {
             << "H " << hq << ":" << hkv << " D " << d << ": " << plan->to_string();
       }
   }
+}
+
+// Rows per work item by engine and L2 (tile_plan.hpp): the tile-by-tile engines 128 under 1 MiB
+// of L2 or when it is unknown, 256 from 1 MiB on; amx 256 whatever the L2. A plan on this CPU
+// follows the CPU's own L2.
+TEST(Flash, WorkItemRowsFollowTheEngineAndTheL2) {
+  const flash::TileKernels& f32 = flash::avx512_kernels();
+  EXPECT_EQ(flash::item_rows(f32, 0), 128);
+  EXPECT_EQ(flash::item_rows(f32, 512 << 10), 128);
+  EXPECT_EQ(flash::item_rows(f32, (1 << 20) - 1), 128);
+  EXPECT_EQ(flash::item_rows(f32, 1 << 20), 256);
+  EXPECT_EQ(flash::item_rows(f32, 2 << 20), 256);
+  for (const flash::TileKernels* amx : {&flash::amx_kernels(), &flash::amx_emulated_kernels()}) {
+    EXPECT_EQ(flash::item_rows(*amx, 512 << 10), 256);
+    EXPECT_EQ(flash::item_rows(*amx, 2 << 20), 256);
+  }
+  EXPECT_EQ(flash::row_block(1, 256).rows_per_head, 256);
+  EXPECT_EQ(flash::row_block(4, 256).rows_per_head, 64);
+  EXPECT_EQ(flash::row_block(4, 256).heads, 4);
+
+  AttentionConfig c = flash_config(2, 2, 64, false);
+  auto q = Tensor::empty({1, 600, 2, 64}, DType::F32);
+  Tensor out = Tensor::empty({1, 600, 2, 64}, DType::F32);
+  const AttentionInputs in{q, q, q, nullptr, out, std::nullopt};
+  const auto plan = flash_plan_for(c, in, 0.1, {{"isa", std::string("portable")}});
+  const std::string want =
+      cpu_features().l2_bytes >= (1ll << 20) ? "up to 256 rows" : "up to 128 rows";
+  EXPECT_NE(plan->to_string().find(want), std::string::npos) << plan->to_string();
 }
 
 TEST(Flash, EveryF32EngineAgreesWithThePortableOne) {

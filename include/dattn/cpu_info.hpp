@@ -18,6 +18,9 @@ struct CpuFeatures {
   std::string vendor;    // cpuid vendor string ("GenuineIntel", "AuthenticAMD"); may be empty
   std::string brand;     // cpuid brand string ("AMD EPYC 7763 64-Core Processor"); may be empty
   int logical_cpus = 0;  // logical CPUs available (at least 1)
+  // Bytes of the level-2 cache of one core as the OS reports it (sysfs, else sysconf); 0 when
+  // unknown. FLASH sizes its work items by it (backends/flash/tile_plan.hpp).
+  long long l2_bytes = 0;
 
   // The names of the flags that are true, lower-case, in declaration order
   // (e.g. {"avx2", "fma", "f16c"}); the x86 names match the Linux /proc/cpuinfo flags.

@@ -51,7 +51,8 @@ def info(threads: int = 0) -> dict:
     return {
         "platform": "cpu",
         "cpu": {"brand": cpu["brand"], "vendor": cpu["vendor"],
-                "logical_cpus": cpu["logical_cpus"], "features": list(cpu["features"])},
+                "logical_cpus": cpu["logical_cpus"], "l2_bytes": cpu["l2_bytes"],
+                "features": list(cpu["features"])},
         "threads": threads,
         "peak_gflops": {
             **{k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable", "amx_bf16",

@@ -86,9 +86,11 @@ def get_backend(name: str) -> BackendInfo:
 
 
 def cpu_info() -> dict:
-    """The CPU as dattn sees it: vendor, brand, logical CPUs, the feature flags the OS enables
-    (e.g. ["avx2", "fma", "f16c"]) and the thread limit. FLASH's instruction set is chosen from
-    these; ``backend_kwargs={"isa": "avx2"}`` caps it for one layer."""
+    """The CPU as dattn sees it: vendor, brand, logical CPUs, one core's L2 in bytes
+    (``l2_bytes``, 0 when the OS does not say), the feature flags the OS enables (e.g.
+    ["avx2", "fma", "f16c"]) and the thread limit. FLASH's instruction set is chosen from these
+    (and its work items sized by the L2); ``backend_kwargs={"isa": "avx2"}`` caps it for one
+    layer."""
     return dict(_core.cpu_info())
 
 

@@ -1,3 +1,4 @@
+#include <fstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -118,6 +119,32 @@ int count_logical_cpus() {
   return n > 0 ? n : 1;
 }
 
+// The first CPU's level-2 cache from sysfs (index2 when its level says 2; sizes as "2048K"),
+// else glibc's sysconf; 0 when neither knows.
+long long detect_l2_bytes() {
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
+    std::ifstream level(dir + "/level"), type(dir + "/type"), size(dir + "/size");
+    int l = 0;
+    std::string t, text;
+    if (!(level >> l)) break;
+    if (l != 2 || !(type >> t) || t == "Instruction" || !(size >> text) || text.empty()) continue;
+    long long bytes = 0;
+    std::size_t i = 0;
+    for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i)
+      bytes = bytes * 10 + (text[i] - '0');
+    const char unit = i < text.size() ? text[i] : ' ';
+    if (unit == 'K') bytes <<= 10;
+    if (unit == 'M') bytes <<= 20;
+    if (bytes > 0) return bytes;
+  }
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+  const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  if (n > 0) return n;
+#endif
+  return 0;
+}
+
 CpuFeatures detect() {
   CpuFeatures f;
 #if defined(__x86_64__) || defined(__i386__)
@@ -126,6 +153,7 @@ CpuFeatures detect() {
   f.neon = true;  // Advanced SIMD is mandatory on AArch64
 #endif
   f.logical_cpus = count_logical_cpus();
+  f.l2_bytes = detect_l2_bytes();
   return f;
 }
 

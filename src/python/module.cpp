@@ -538,6 +538,7 @@ PYBIND11_MODULE(_core, m) {
     d["vendor"] = f.vendor;
     d["brand"] = f.brand;
     d["logical_cpus"] = f.logical_cpus;
+    d["l2_bytes"] = f.l2_bytes;  // one core's L2 as the OS reports it; 0 when unknown
     d["features"] = f.names();
     d["max_threads"] = kMaxThreads;
     d["default_threads"] = default_threads();  // what a call uses (the one thread bound)

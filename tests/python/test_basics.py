@@ -29,6 +29,7 @@ def test_forward_matches_the_oracle():
 def test_cpu_info_and_thread_limit():
     info = dattn.cpu_info()
     assert info["logical_cpus"] >= 1 and info["max_threads"] == 1024
+    assert isinstance(info["l2_bytes"], int) and info["l2_bytes"] >= 0
     assert isinstance(info["features"], list)
     import pytest
 

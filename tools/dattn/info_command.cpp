@@ -89,6 +89,7 @@ json info_json(int threads, const PeakGflops& peak) {
   j["cpu"] = {{"brand", cpu.brand},
               {"vendor", cpu.vendor},
               {"logical_cpus", cpu.logical_cpus},
+              {"l2_bytes", cpu.l2_bytes},
               {"features", cpu.names()}};
   j["threads"] = threads;
   // Every kind of peak an engine is held to; null where not measured, with the reason.

@@ -564,7 +564,7 @@ class FlashImpl final : public Impl {
     auto plan =
         std::make_unique<FlashPlan>(p.signature, select_engine(cap_, operand_dtype(p), compute_));
     const i64 group = p.group_size();
-    plan->block = row_block(group, plan->kernels.item_rows);
+    plan->block = row_block(group, item_rows(plan->kernels, cpu_features().l2_bytes));
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
     plan->threads = std::max(p.threads, 1);
     // Items that read the same K/V (one segment, one KV head) are consecutive, so the threads

@@ -42,7 +42,7 @@ inline constexpr float kExp2Poly[5] = {6.931470037e-01f, 2.402224243e-01f, 5.550
 inline constexpr float kExp2PolyBf16[3] = {6.951168180e-01f, 2.276449353e-01f, 7.706709951e-02f};
 
 struct TileKernels;
-// Query rows per work item unless an engine asks for more (TileKernels::item_rows).
+// Query rows per work item on a small L2 unless an engine asks for more (TileKernels::item_rows).
 inline constexpr int kDefaultItemRows = 128;
 // The most tiles an engine holds at once (TileKernels::panel_tiles).
 inline constexpr int kMaxPanelTiles = 8;
@@ -171,9 +171,12 @@ struct TileKernels {
   // how many tiles of ItemKeys the engine holds at once.
   void (*attend)(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) = nullptr;
   int panel_tiles = 1;
-  // Query rows per work item the engine is tuned for (tile_plan.hpp, row_block): more rows use
-  // each K/V panel more often while it is in L2, at the price of a larger per-thread workspace.
+  // Query rows per work item the engine is tuned for (tile_plan.hpp, item_rows): item_rows
+  // where a core's L2 is smaller than 1 MiB or unknown, item_rows_large_l2 where it holds 1 MiB
+  // or more. More rows use each K/V tile more often while it is in L2, at the price of a larger
+  // per-thread scratch.
   int item_rows = kDefaultItemRows;
+  int item_rows_large_l2 = 2 * kDefaultItemRows;
 };
 
 // The inner loop of the engines that work tile by tile on S^T: qk, the hook where the tile asks
@@ -219,7 +222,8 @@ struct Bf16Functions {
   decltype(TileKernels::thread_end) thread_end = nullptr;
   decltype(TileKernels::attend) attend = nullptr;
   int panel_tiles = 1;
-  int item_rows = kDefaultItemRows;
+  // Query rows per work item whatever the L2 (0: base's item_rows / item_rows_large_l2).
+  int item_rows = 0;
   // The engine's own softmax_rows_pairs (nullptr: base's).
   decltype(TileKernels::softmax_rows_pairs) softmax_rows_pairs = nullptr;
 };
@@ -240,7 +244,7 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
   k.thread_end = f.thread_end;
   k.attend = f.attend;
   k.panel_tiles = f.panel_tiles;
-  k.item_rows = f.item_rows;
+  if (f.item_rows > 0) k.item_rows = k.item_rows_large_l2 = f.item_rows;
   if (f.softmax_rows_pairs != nullptr) k.softmax_rows_pairs = f.softmax_rows_pairs;
   return k;
 }
