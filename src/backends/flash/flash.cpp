@@ -145,7 +145,6 @@ class FlashPlan final : public Plan {
   // K/V panels: one group per (segment, KV head) in item order, cut into waves.
   std::size_t k_tile_bytes = 0, v_tile_bytes = 0;  // one packed tile
   i64 ld_k = 0, ld_v = 0;                          // f32 engines: the rows' strides
-  bool prefetch_next = true;  // KeyTile::next named (prefetch_next_tile, tile_plan.hpp)
   std::vector<PanelGroup> groups;
   std::vector<std::pair<std::size_t, i64>> panel_tiles;  // (group, tile) in wave order
   std::vector<Wave> waves;
@@ -348,18 +347,10 @@ class Worker {
         const unsigned char* at =
             wk.panel_ + t.group.offset +
             std::size_t((t.j0 - seg.k_begin) / kBlockKeys) * plan.tile_bytes();
-        // The engine may prefetch the next tile (KeyTile::next), spread over its steps: one
-        // burst for a whole tile here (1152 lines for f32 at D 128) stalled on full fill
-        // buffers. Not on CPUs where the hardware's prefetch does better alone (the plan's
-        // prefetch_next).
+        // No software prefetch of the next tile (kernels.hpp, attend_tile_by_tile).
         KeyTile& tile = t.ring[std::size_t(n % wk.kk_.panel_tiles)];
-        tile = {at,
-                at + plan.k_tile_bytes,
-                int(keys),
-                t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none,
-                t.j0,
-                plan.prefetch_next && t.j0 + keys < t.kmax ? at + plan.tile_bytes() : nullptr,
-                plan.tile_bytes()};
+        tile = {at, at + plan.k_tile_bytes, int(keys),
+                t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none, t.j0};
         t.j0 += kBlockKeys;
         return &tile;
       }
@@ -639,7 +630,6 @@ class FlashImpl final : public Impl {
     const auto align = [](std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
     plan.ld_k = p.d + kStridePad;
     plan.ld_v = plan.dv_padded + kStridePad;
-    plan.prefetch_next = prefetch_next_tile(cpu_features().vendor);
     if (kk.k_tile_bytes != nullptr) {
       plan.k_tile_bytes = kk.k_tile_bytes(int(p.d));
       plan.v_tile_bytes = kk.v_tile_bytes(int(plan.dv_padded));

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string_view>
 
 #include "backends/flash/kernels.hpp"
 
@@ -28,16 +27,6 @@ struct RowBlock {
 constexpr RowBlock row_block(std::int64_t group, std::int64_t target = kTargetRows) {
   const std::int64_t heads = std::clamp<std::int64_t>(group, 1, target);
   return {heads, std::max<std::int64_t>(1, target / heads)};
-}
-
-// Whether the driver names each key tile's successor (KeyTile::next) for the tile-by-tile
-// engines to prefetch into L2, by the CPU's cpuid vendor. Measured, f32 flux-1024 on one core:
-// on AMD Zen 5 (1 MiB L2) 125 -> 129-132 GFLOP/s with it; on an Intel Xeon with AMX (2 MiB L2,
-// whose L2 streamer already follows the panel's back-to-back tiles) it cost 3% in `dattn bench`
-// (flux-1024 133.3 -> 137.7 without, sd35-1024 124.9 -> 128.2) and 30% in a microbenchmark of
-// the same loop, the software prefetches taking fill buffers from qk's own L1 misses.
-constexpr bool prefetch_next_tile(std::string_view cpu_vendor) {
-  return cpu_vendor != "GenuineIntel";
 }
 
 // The rows per work item of an engine on a CPU whose cores have `l2_bytes` of L2 (0:
