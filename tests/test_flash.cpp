@@ -82,10 +82,10 @@ TEST(Flash, APlanRunsAgainOnNewDataOfTheSameShapes) {
 // with items of 128 rows (a core's L2 under 1 MiB) the f32 engines stay within 256 KiB per
 // thread (half of a 512 KiB L2) and avx512_bf16 within 256 KiB plus its workspace (Q and P as
 // bf16 pairs: up to 64 KiB at D = 128; K and V live in the per-call panels); with 256 rows (1
-// MiB of L2 or more) within twice that, still under half of the L2; amx, whose work items have
-// 256 rows and which keeps a key panel's logits and probabilities of 8 tiles for them (800 KiB),
-// within 1.25 MiB: the rest of the 2 MiB L2 of every CPU with AMX holds the 256 KiB panel it
-// streams.
+// MiB of L2 or more) within twice that (512 KiB for the f32 engines: half of a 1 MiB L2); amx,
+// whose work items have 256 rows and which keeps a key panel's logits and probabilities of 8
+// tiles for them (800 KiB), within 1.25 MiB: the rest of the 2 MiB L2 of every CPU with AMX
+// holds the 256 KiB panel it streams.
 TEST(Flash, ScratchPerThreadStaysWithinTheEnginesL2BudgetUpToHeadSize128) {
   const std::size_t rows_factor = cpu_features().l2_bytes >= (1ll << 20) ? 2 : 1;
   for (const EngineInfo& engine : flash_engines()) {
