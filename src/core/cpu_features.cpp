@@ -1,5 +1,7 @@
+#include <charconv>
 #include <fstream>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -130,13 +132,12 @@ long long detect_l2_bytes() {
     if (!(level >> l)) break;
     if (l != 2 || !(type >> t) || t == "Instruction" || !(size >> text) || text.empty()) continue;
     long long bytes = 0;
-    std::size_t i = 0;
-    for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i)
-      bytes = bytes * 10 + (text[i] - '0');
-    const char unit = i < text.size() ? text[i] : ' ';
-    if (unit == 'K') bytes <<= 10;
-    if (unit == 'M') bytes <<= 20;
-    if (bytes > 0) return bytes;
+    const char* end = text.data() + text.size();
+    const auto [unit, err] = std::from_chars(text.data(), end, bytes);
+    if (err != std::errc() || bytes <= 0) continue;
+    if (unit != end && *unit == 'K') bytes <<= 10;
+    if (unit != end && *unit == 'M') bytes <<= 20;
+    return bytes;
   }
 #if defined(_SC_LEVEL2_CACHE_SIZE)
   const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);

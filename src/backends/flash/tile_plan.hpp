@@ -8,11 +8,6 @@
 
 namespace dattn::flash {
 
-// Query rows of one work item: a block of query rows times the heads of one GQA group that
-// share its K/V tiles, about `target` rows in all (item_rows below). Examples for 128: GQA 4:1
-// gives 32 rows per head x 4 heads = 128; MHA gives 128 rows of one head; MQA with 24 query heads
-// gives 5 rows x 24 heads = 120 (groups of more than `target` heads are split into chunks).
-inline constexpr std::int64_t kTargetRows = kDefaultItemRows;
 // Keys per tile. 128 rows x 64 keys keep the tile scratch (Q^T, S^T, O and, for inputs that
 // need converting, K and V) at 224 KiB for D = Dv = 128, inside a 512 KiB L2.
 inline constexpr std::int64_t kBlockKeys = kTileKeys;
@@ -22,9 +17,12 @@ struct RowBlock {
   std::int64_t rows_per_head;
 };
 
-// Example (target 128): group 4 -> {4, 32}; group 1 -> {1, 128}; group 24 -> {24, 5}; 200 ->
-// {128, 1}. Target 256: group 1 -> {1, 256}.
-constexpr RowBlock row_block(std::int64_t group, std::int64_t target = kTargetRows) {
+// Query rows of one work item: a block of query rows times the heads of one GQA group that
+// share its K/V tiles, about `target` rows in all (item_rows below). Examples for 128: GQA 4:1
+// gives 32 rows per head x 4 heads = 128; MHA gives 128 rows of one head; MQA with 24 query heads
+// gives 5 rows x 24 heads = 120; 200 heads give {128, 1} (groups of more than `target` heads are
+// split into chunks). Target 256: group 1 -> {1, 256}, group 4 -> {4, 64}.
+constexpr RowBlock row_block(std::int64_t group, std::int64_t target) {
   const std::int64_t heads = std::clamp<std::int64_t>(group, 1, target);
   return {heads, std::max<std::int64_t>(1, target / heads)};
 }
