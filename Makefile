@@ -30,7 +30,7 @@ REQUIREMENTS := requirements.txt
 VENV_STAMP := $(VENV)/.dattn-requirements.sha256
 WHEEL_DIR := build/dist
 
-.PHONY: deps venv wheel configure build run test asan fuzz format format-check install install-check clean distclean
+.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check clean distclean
 
 deps:
 	@missing=""; \
@@ -96,6 +96,20 @@ test: build
 	else \
 	  echo "dattn: SKIPPED the Python tests under PRESET=$(PRESET): no Python module there (sanitizers)"; \
 	fi
+
+# CTest once more per CPU class in CPU_CLASSES, as if the CPU had only that class's features
+# (DATTN_CPU_FEATURES, docs/architecture.md): a test that assumes a feature fails on every
+# machine, not only on the class that lacks it. The out-of-memory probes and the CLI smoke run
+# (large workloads, minutes on the portable engine) run only unmasked, in `make test`.
+CPU_CLASSES ?= avx2 portable
+MASKED_EXCLUDE := OutOfMemory|cli_smoke
+test-cpu-classes: build
+	@for c in $(CPU_CLASSES); do \
+	  echo "dattn: CTest with DATTN_CPU_FEATURES=$$c (without $(MASKED_EXCLUDE))"; \
+	  DATTN_CPU_FEATURES=$$c ctest --preset $(PRESET) -E '$(MASKED_EXCLUDE)' -j2 --output-on-failure \
+	    > $(BUILD)/ctest-$$c.log 2>&1 || { tail -n 60 $(BUILD)/ctest-$$c.log; exit 1; }; \
+	  grep -E "tests passed" $(BUILD)/ctest-$$c.log; \
+	done
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer.
 asan:

@@ -44,6 +44,29 @@ if(NOT "${ISA_RC}" STREQUAL "0")
   message(FATAL_ERROR "REFERENCE should ignore DATTN_ISA: ${ISA_RC}\n${ISA_OUT}\n${ISA_ERR}")
 endif()
 
+# ---- DATTN_CPU_FEATURES: a class masks the CPU (applied before DATTN_ISA); junk is an error ----
+run_env(MASK "DATTN_CPU_FEATURES=portable" run --reps 1 --json)
+if(NOT "${MASK_RC}" STREQUAL "0" OR NOT MASK_OUT MATCHES "\"engine\":\"portable\"")
+  message(FATAL_ERROR "DATTN_CPU_FEATURES=portable should run on portable: ${MASK_RC}\n"
+                      "${MASK_OUT}\n${MASK_ERR}")
+endif()
+run_env(MASK "DATTN_CPU_FEATURES=avx2" info --json)
+if(NOT "${MASK_RC}" STREQUAL "0" OR MASK_OUT MATCHES "\"features\":\\[[^]]*avx512" OR
+   NOT MASK_OUT MATCHES "\"feature_mask\":\"avx2\"")
+  message(FATAL_ERROR "DATTN_CPU_FEATURES=avx2 info should list no AVX-512 feature: ${MASK_RC}\n"
+                      "${MASK_OUT}\n${MASK_ERR}")
+endif()
+foreach(value "junk" "avx2;avx512" "${long}")
+  run_env(MASK "DATTN_CPU_FEATURES=${value}" run --reps 1)
+  string(SUBSTRING "${value}" 0 20 shown)
+  string(LENGTH "${MASK_ERR}" err_length)
+  if(NOT "${MASK_RC}" STREQUAL "2" OR NOT MASK_ERR MATCHES "DATTN_CPU_FEATURES" OR
+     NOT MASK_ERR MATCHES "portable avx2" OR err_length GREATER 1024)
+    message(FATAL_ERROR "DATTN_CPU_FEATURES='${shown}...': expected a usage error (2) naming the "
+                        "variable and the classes, got ${MASK_RC}\n${MASK_OUT}\n${MASK_ERR}")
+  endif()
+endforeach()
+
 # ---- OMP_NUM_THREADS beyond OpenMP's int counts as the bound (1024), parsed by dattn ----
 foreach(value "2147483648" "4294967298" "5000" "2147483648,2")
   run_env(THREADS "OMP_NUM_THREADS=${value}" info --json)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -17,6 +18,7 @@
 
 #include "core/amx_permission.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/errors.hpp"
 
 namespace dattn {
 namespace {
@@ -91,6 +93,7 @@ TEST(CpuInfo, NamesListExactlyTheTrueFlags) {
       {f.avx2, "avx2"},
       {f.fma, "fma"},
       {f.f16c, "f16c"},
+      {f.avx_vnni, "avx_vnni"},
       {f.avx512f, "avx512f"},
       {f.avx512bw, "avx512bw"},
       {f.avx512dq, "avx512dq"},
@@ -100,6 +103,7 @@ TEST(CpuInfo, NamesListExactlyTheTrueFlags) {
       {f.avx512_fp16, "avx512_fp16"},
       {f.amx_tile, "amx_tile"},
       {f.amx_bf16, "amx_bf16"},
+      {f.amx_int8, "amx_int8"},
       {f.neon, "neon"},
   };
   std::vector<std::string> expected;
@@ -123,7 +127,7 @@ TEST(CpuInfo, MatchesProcCpuinfo) {
 #else
   const auto flags = proc_cpuinfo_flags();
   if (!flags) GTEST_SKIP() << "no /proc/cpuinfo flags line";
-  const CpuFeatures& f = cpu_features();
+  const CpuFeatures& f = detected_cpu_features();  // whatever DATTN_CPU_FEATURES masks
   auto has = [&](const char* name) { return flags->count(name) != 0; };
   // The kernel lists a flag only when the CPU has it and the kernel enabled its state, which is
   // what detection reports.
@@ -138,11 +142,81 @@ TEST(CpuInfo, MatchesProcCpuinfo) {
   EXPECT_EQ(f.avx512_vnni, has("avx512_vnni"));
   EXPECT_EQ(f.amx_tile, has("amx_tile"));
   EXPECT_EQ(f.amx_bf16, has("amx_bf16"));
+  EXPECT_EQ(f.amx_int8, has("amx_int8"));
+  // Kernels older than 5.13 don't know avx_vnni: only check that a listed flag is detected.
+  if (has("avx_vnni")) {
+    EXPECT_TRUE(f.avx_vnni);
+  }
   // Kernels older than 5.11 don't know avx512_fp16: only check that a listed flag is detected.
   if (has("avx512_fp16")) {
     EXPECT_TRUE(f.avx512_fp16);
   }
 #endif
+}
+
+// DATTN_CPU_FEATURES: what each class keeps of a CPU with every feature, feature names,
+// lists, the implications, and the typed error.
+TEST(CpuFeatureMask, ClassesKeepWhatTheyName) {
+  CpuFeatures all;
+  all.avx2 = all.fma = all.f16c = all.avx_vnni = all.avx512f = all.avx512bw = all.avx512dq =
+      all.avx512vl = all.avx512_bf16 = all.avx512_vnni = all.avx512_fp16 = all.amx_tile =
+          all.amx_bf16 = all.amx_int8 = true;
+  all.vendor = "GenuineIntel";
+  all.logical_cpus = 7;
+  all.l2_bytes = 2 << 20;
+  using Names = std::vector<std::string>;
+  const auto kept = [&](const char* spec) { return apply_cpu_feature_mask(all, spec).names(); };
+  EXPECT_EQ(kept(""), all.names());
+  EXPECT_EQ(kept("  "), all.names());
+  EXPECT_EQ(kept("native"), all.names());
+  EXPECT_EQ(kept("AMX"), all.names());
+  EXPECT_EQ(kept("portable"), Names{});
+  EXPECT_EQ(kept("avx2"), (Names{"avx2", "fma", "f16c"}));
+  EXPECT_EQ(kept(" Avx2 \n"), (Names{"avx2", "fma", "f16c"}));
+  EXPECT_EQ(kept("avx_vnni"), (Names{"avx2", "fma", "f16c", "avx_vnni"}));
+  EXPECT_EQ(kept("avx512"),
+            (Names{"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"}));
+  EXPECT_EQ(kept("avx512_vnni"), (Names{"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
+                                        "avx512vl", "avx512_vnni"}));
+  EXPECT_EQ(kept("avx512_bf16"),
+            (Names{"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                   "avx512_bf16", "avx512_vnni", "avx512_fp16"}));
+  // A list is the union of its items; a sub-feature never outlives what it extends.
+  EXPECT_EQ(kept("avx2, amx_int8"), (Names{"avx2", "fma", "f16c"}));
+  EXPECT_EQ(kept("avx2,avx512_fp16"), (Names{"avx2", "fma", "f16c"}));
+  EXPECT_EQ(kept("avx512,amx_tile,amx_int8"),
+            (Names{"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "amx_tile",
+                   "amx_int8"}));
+  EXPECT_EQ(kept("fma"), (Names{"fma"}));
+  // Nothing is added that the CPU lacks, and what is not a flag stays as detected.
+  CpuFeatures zen3;
+  zen3.avx2 = zen3.fma = zen3.f16c = true;
+  EXPECT_EQ(apply_cpu_feature_mask(zen3, "native").names(), zen3.names());
+  EXPECT_EQ(apply_cpu_feature_mask(zen3, "avx512_bf16").names(), zen3.names());
+  const CpuFeatures masked = apply_cpu_feature_mask(all, "portable");
+  EXPECT_EQ(masked.vendor, all.vendor);
+  EXPECT_EQ(masked.logical_cpus, 7);
+  EXPECT_EQ(masked.l2_bytes, 2 << 20);
+  for (const char* bad : {"avx3", "avx2,,", "avx2;avx512", "sse4"}) {
+    try {
+      apply_cpu_feature_mask(all, bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.field(), "DATTN_CPU_FEATURES");
+      EXPECT_NE(std::string(e.what()).find("valid: the classes portable avx2"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// The process's features are the detected ones under this process's DATTN_CPU_FEATURES.
+TEST(CpuFeatureMask, TheProcessSeesTheMaskedCpu) {
+  const char* spec = std::getenv("DATTN_CPU_FEATURES");
+  EXPECT_EQ(cpu_features().names(),
+            apply_cpu_feature_mask(detected_cpu_features(), spec ? spec : "").names());
+  if (spec == nullptr) {
+    EXPECT_EQ(cpu_features().names(), detected_cpu_features().names());
+  }
 }
 
 TEST(CpuInfo, BrandIsTrimmed) {

@@ -3,6 +3,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dattn/threads.hpp"
@@ -12,9 +13,9 @@ namespace dattn {
 // What the CPU offers and the operating system has enabled. A flag is true only when both hold
 // (the AVX-512 and AMX flags also need the OS to save their registers, checked through XCR0).
 struct CpuFeatures {
-  bool avx2 = false, fma = false, f16c = false, avx512f = false, avx512bw = false, avx512dq = false,
-       avx512vl = false, avx512_bf16 = false, avx512_vnni = false, avx512_fp16 = false,
-       amx_tile = false, amx_bf16 = false, neon = false;
+  bool avx2 = false, fma = false, f16c = false, avx_vnni = false, avx512f = false, avx512bw = false,
+       avx512dq = false, avx512vl = false, avx512_bf16 = false, avx512_vnni = false,
+       avx512_fp16 = false, amx_tile = false, amx_bf16 = false, amx_int8 = false, neon = false;
   std::string vendor;    // cpuid vendor string ("GenuineIntel", "AuthenticAMD"); may be empty
   std::string brand;     // cpuid brand string ("AMD EPYC 7763 64-Core Processor"); may be empty
   int logical_cpus = 0;  // logical CPUs available (at least 1)
@@ -27,8 +28,32 @@ struct CpuFeatures {
   std::vector<std::string> names() const;
 };
 
-// Detected once, on first use (thread-safe).
+// What this process treats the CPU as having: the detected features, less those the environment
+// variable DATTN_CPU_FEATURES masks out (see apply_cpu_feature_mask). Every choice of an engine,
+// every peak measurement and every feature report reads this, so a masked run behaves as on a
+// CPU without the masked features. Detected and masked once, on first use (thread-safe); a
+// DATTN_CPU_FEATURES that names nothing known raises InvalidArgument naming it (on every call).
 const CpuFeatures& cpu_features();
+
+// What the CPU and the OS really offer, whatever DATTN_CPU_FEATURES says.
+const CpuFeatures& detected_cpu_features();
+
+// `detected` restricted to what `spec` allows: a comma-separated list of CPU classes and feature
+// names (case and surrounding whitespace ignored); a feature stays only when one of the items
+// allows it. Classes, each allowing what the previous one does and more:
+//   portable     no SIMD feature at all (only the portable engine remains)
+//   avx2         avx2, fma, f16c (an AMD Zen 3 or Intel Haswell class CPU)
+//   avx_vnni     avx2 and avx_vnni (AVX-VNNI on 256-bit registers: Alder Lake, Zen 5)
+//   avx512       avx2 and avx512f, avx512bw, avx512dq, avx512vl (Skylake-SP)
+//   avx512_vnni  avx512 and avx512_vnni (Cascade Lake, Ice Lake)
+//   avx512_bf16  avx512_vnni, avx_vnni, avx512_bf16, avx512_fp16 (Zen 4/5, no AMX)
+//   amx, native  everything detected (no mask)
+// A feature name (as CpuFeatures::names() spells it, e.g. "amx_int8" or "neon") allows that
+// feature; a name that is a class too (avx2, avx_vnni, avx512_vnni, avx512_bf16) is the class.
+// An empty spec means no mask. Sub-features
+// never outlive what they extend: AVX-512 flags go without avx512f, AMX ones without amx_tile.
+// Throws InvalidArgument naming DATTN_CPU_FEATURES for an unknown item, listing the valid ones.
+CpuFeatures apply_cpu_feature_mask(const CpuFeatures& detected, std::string_view spec);
 
 struct PeakGflops {
   double f32_fma = 0;              // f32 FMA GFLOP/s over `threads` threads (2 flops per lane)

@@ -52,7 +52,9 @@ def info(threads: int = 0) -> dict:
         "platform": "cpu",
         "cpu": {"brand": cpu["brand"], "vendor": cpu["vendor"],
                 "logical_cpus": cpu["logical_cpus"], "l2_bytes": cpu["l2_bytes"],
-                "features": list(cpu["features"])},
+                "features": list(cpu["features"]),
+                "detected_features": list(cpu["detected_features"]),
+                "feature_mask": cpu["feature_mask"]},
         "threads": threads,
         "peak_gflops": {
             **{k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable", "amx_bf16",
@@ -88,7 +90,11 @@ def format_text(data: dict) -> str:
     cpu = data["cpu"]
     label("platform", data["platform"])
     label("cpu", f"{cpu['brand']} ({cpu['logical_cpus']} logical CPUs)")
-    label("features", _cell(cpu["features"]))
+    features = _cell(cpu["features"]) if cpu["features"] else "none"
+    if cpu["feature_mask"] is not None:
+        features += (f" (DATTN_CPU_FEATURES={cpu['feature_mask']}; "
+                     f"detected {_cell(cpu['detected_features'])})")
+    label("features", features)
     label("threads", str(data["threads"]))
     peak = data["peak_gflops"]
     label("peak timing", f"{peak['threads']} thread(s) timed together over one interval, at most "

@@ -1,5 +1,7 @@
 #include <charconv>
+#include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -8,6 +10,7 @@
 
 #include "core/strings.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/errors.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -97,6 +100,7 @@ void detect_x86(CpuFeatures& f) {
   if (max_leaf < 7) return;
   const Regs l7 = cpuid(7, 0);
   f.avx2 = avx && bit(l7.b, 5);
+  f.amx_int8 = os_amx && bit(l7.d, 25);
   f.avx512f = os_avx512 && bit(l7.b, 16);
   f.avx512dq = f.avx512f && bit(l7.b, 17);
   f.avx512bw = f.avx512f && bit(l7.b, 30);
@@ -107,6 +111,7 @@ void detect_x86(CpuFeatures& f) {
   f.amx_tile = os_amx && bit(l7.d, 24);
   if (l7.a >= 1) {  // leaf 7 reports its highest sub-leaf in EAX
     const Regs l71 = cpuid(7, 1);
+    f.avx_vnni = f.avx2 && bit(l71.a, 4);
     f.avx512_bf16 = f.avx512f && bit(l71.a, 5);
   }
 }
@@ -160,31 +165,141 @@ CpuFeatures detect() {
 
 }  // namespace
 
+namespace {
+
+struct Flag {
+  bool CpuFeatures::*member;
+  const char* name;
+};
+
+// Every flag, in declaration order (names() lists them so); the names are Linux's.
+constexpr Flag kFlags[] = {
+    {&CpuFeatures::avx2, "avx2"},
+    {&CpuFeatures::fma, "fma"},
+    {&CpuFeatures::f16c, "f16c"},
+    {&CpuFeatures::avx_vnni, "avx_vnni"},
+    {&CpuFeatures::avx512f, "avx512f"},
+    {&CpuFeatures::avx512bw, "avx512bw"},
+    {&CpuFeatures::avx512dq, "avx512dq"},
+    {&CpuFeatures::avx512vl, "avx512vl"},
+    {&CpuFeatures::avx512_bf16, "avx512_bf16"},
+    {&CpuFeatures::avx512_vnni, "avx512_vnni"},
+    {&CpuFeatures::avx512_fp16, "avx512_fp16"},
+    {&CpuFeatures::amx_tile, "amx_tile"},
+    {&CpuFeatures::amx_bf16, "amx_bf16"},
+    {&CpuFeatures::amx_int8, "amx_int8"},
+    {&CpuFeatures::neon, "neon"},
+};
+
+struct CpuClass {
+  const char* name;
+  const char* allows;  // space-separated flag names; "*" = every flag
+};
+
+// The classes of DATTN_CPU_FEATURES (cpu_info.hpp), smallest first.
+constexpr CpuClass kClasses[] = {
+    {"portable", ""},
+    {"avx2", "avx2 fma f16c"},
+    {"avx_vnni", "avx2 fma f16c avx_vnni"},
+    {"avx512", "avx2 fma f16c avx512f avx512bw avx512dq avx512vl"},
+    {"avx512_vnni", "avx2 fma f16c avx512f avx512bw avx512dq avx512vl avx512_vnni"},
+    {"avx512_bf16",
+     "avx2 fma f16c avx_vnni avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_bf16 "
+     "avx512_fp16"},
+    {"amx", "*"},
+    {"native", "*"},
+};
+
+bool equal_ignoring_case(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? char(c - 'A' + 'a') : c; };
+    if (lower(a[i]) != lower(b[i])) return false;
+  }
+  return true;
+}
+
+bool listed(std::string_view list, std::string_view name) {
+  if (list == "*") return true;
+  while (!list.empty()) {
+    const std::size_t space = list.find(' ');
+    if (list.substr(0, space) == name) return true;
+    if (space == std::string_view::npos) break;
+    list.remove_prefix(space + 1);
+  }
+  return false;
+}
+
+std::string valid_mask_items() {
+  std::string s = "the classes";
+  for (const CpuClass& c : kClasses) s += std::string(" ") + c.name;
+  s += ", or feature names:";
+  for (const Flag& f : kFlags) s += std::string(" ") + f.name;
+  return s;
+}
+
+}  // namespace
+
 std::vector<std::string> CpuFeatures::names() const {
-  const std::pair<bool, const char*> all[] = {
-      {avx2, "avx2"},
-      {fma, "fma"},
-      {f16c, "f16c"},
-      {avx512f, "avx512f"},
-      {avx512bw, "avx512bw"},
-      {avx512dq, "avx512dq"},
-      {avx512vl, "avx512vl"},
-      {avx512_bf16, "avx512_bf16"},
-      {avx512_vnni, "avx512_vnni"},
-      {avx512_fp16, "avx512_fp16"},
-      {amx_tile, "amx_tile"},
-      {amx_bf16, "amx_bf16"},
-      {neon, "neon"},
-  };
   std::vector<std::string> out;
-  for (const auto& [on, name] : all) {
-    if (on) out.emplace_back(name);
+  for (const Flag& f : kFlags) {
+    if (this->*f.member) out.emplace_back(f.name);
   }
   return out;
 }
 
-const CpuFeatures& cpu_features() {
+CpuFeatures apply_cpu_feature_mask(const CpuFeatures& detected, std::string_view spec) {
+  spec = detail::trimmed(spec);
+  if (spec.empty()) return detected;
+  bool allowed[std::size(kFlags)] = {};
+  std::string_view rest = spec;
+  while (true) {
+    const std::size_t comma = rest.find(',');
+    const std::string_view item = detail::trimmed(rest.substr(0, comma));
+    bool known = false;
+    for (const CpuClass& c : kClasses) {
+      if (!equal_ignoring_case(item, c.name)) continue;
+      known = true;
+      for (std::size_t i = 0; i < std::size(kFlags); ++i)
+        allowed[i] = allowed[i] || listed(c.allows, kFlags[i].name);
+    }
+    for (std::size_t i = 0; i < std::size(kFlags); ++i) {
+      if (!equal_ignoring_case(item, kFlags[i].name)) continue;
+      known = true;
+      allowed[i] = true;
+    }
+    if (!known)
+      throw InvalidArgument("DATTN_CPU_FEATURES",
+                            "DATTN_CPU_FEATURES = '" + std::string(spec.substr(0, 200)) + "': '" +
+                                std::string(item.substr(0, 64)) +
+                                "' is neither a CPU class nor a feature; valid: " +
+                                valid_mask_items() + " (comma-separated)");
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  CpuFeatures f = detected;
+  for (std::size_t i = 0; i < std::size(kFlags); ++i)
+    f.*kFlags[i].member = detected.*kFlags[i].member && allowed[i];
+  // What extends a feature goes with it (no AVX-512 sub-feature without avx512f, no AMX
+  // instruction set without the tile state, no VNNI on 256 bits without AVX2).
+  if (!f.avx512f)
+    f.avx512bw = f.avx512dq = f.avx512vl = f.avx512_bf16 = f.avx512_vnni = f.avx512_fp16 = false;
+  if (!f.avx2) f.avx_vnni = false;
+  if (!f.amx_tile) f.amx_bf16 = f.amx_int8 = false;
+  return f;
+}
+
+const CpuFeatures& detected_cpu_features() {
   static const CpuFeatures features = detect();
+  return features;
+}
+
+const CpuFeatures& cpu_features() {
+  // A throwing initialiser leaves the static uninitialised: a bad mask raises on every call.
+  static const CpuFeatures features = [] {
+    const char* spec = std::getenv("DATTN_CPU_FEATURES");
+    return apply_cpu_feature_mask(detected_cpu_features(), spec == nullptr ? "" : spec);
+  }();
   return features;
 }
 

@@ -11,11 +11,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -539,7 +541,13 @@ PYBIND11_MODULE(_core, m) {
     d["brand"] = f.brand;
     d["logical_cpus"] = f.logical_cpus;
     d["l2_bytes"] = f.l2_bytes;  // one core's L2 as the OS reports it; 0 when unknown
-    d["features"] = f.names();
+    d["features"] = f.names();   // under DATTN_CPU_FEATURES, if set
+    d["detected_features"] = detected_cpu_features().names();
+    const char* mask = std::getenv("DATTN_CPU_FEATURES");  // as `dattn info` reports it
+    d["feature_mask"] = mask != nullptr && std::string_view(mask).find_first_not_of(
+                                               " \t\n\v\f\r") != std::string_view::npos
+                            ? py::cast(std::string(mask))
+                            : py::none();
     d["max_threads"] = kMaxThreads;
     d["default_threads"] = default_threads();  // what a call uses (the one thread bound)
     d["affinity_cpus"] = affinity_cpus();      // the CPUs this process may run on

@@ -43,3 +43,32 @@ def test_bad_threads_is_a_usage_error():
     r = subprocess.run([sys.executable, "-m", "dattn", "info", "--threads", "0x"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--threads" in r.stderr
+
+
+@pytest.mark.parametrize("mask", ["avx2", "portable"])
+def test_info_under_a_cpu_feature_mask(mask):
+    """DATTN_CPU_FEATURES masks what dattn sees of the CPU in Python too: no AVX-512 feature, no
+    engine above the class available, the detected features and the mask reported."""
+    import os
+
+    env = dict(os.environ, DATTN_CPU_FEATURES=mask)
+    out = subprocess.run([sys.executable, "-m", "dattn", "info", "--json", "--threads", "1"],
+                         check=True, capture_output=True, text=True, timeout=120, env=env).stdout
+    data = json.loads(out)
+    features = data["cpu"]["features"]
+    assert data["cpu"]["feature_mask"] == mask
+    assert not [f for f in features if f.startswith(("avx512", "amx"))]
+    assert set(features) <= set(data["cpu"]["detected_features"])
+    available = {e["name"] for e in data["engines"] if e["available"]}
+    real = {e["name"] for e in data["engines"] if e["available"] and not e["emulated"]}
+    assert real <= ({"portable", "avx2"} if mask == "avx2" else {"portable"}), available
+    assert data["peak_gflops"]["bf16_dot"] is None and data["peak_gflops"]["amx_bf16"] is None
+
+
+def test_a_bad_cpu_feature_mask_is_a_typed_error():
+    import os
+
+    env = dict(os.environ, DATTN_CPU_FEATURES="avx3")
+    r = subprocess.run([sys.executable, "-c", "import dattn; dattn.cpu_info()"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "DATTN_CPU_FEATURES" in r.stderr and "InvalidArgument" in r.stderr

@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -82,6 +84,15 @@ json backend_json(const Backend& b) {
   return j;
 }
 
+// DATTN_CPU_FEATURES as set (null when unset or blank): the mask the features are reported under.
+json feature_mask_env() {
+  const char* spec = std::getenv("DATTN_CPU_FEATURES");
+  if (spec == nullptr ||
+      std::string_view(spec).find_first_not_of(" \t\n\v\f\r") == std::string_view::npos)
+    return nullptr;
+  return std::string(spec);
+}
+
 json info_json(int threads, const PeakGflops& peak) {
   const CpuFeatures& cpu = cpu_features();
   json j;
@@ -90,7 +101,9 @@ json info_json(int threads, const PeakGflops& peak) {
               {"vendor", cpu.vendor},
               {"logical_cpus", cpu.logical_cpus},
               {"l2_bytes", cpu.l2_bytes},
-              {"features", cpu.names()}};
+              {"features", cpu.names()},
+              {"detected_features", detected_cpu_features().names()},
+              {"feature_mask", feature_mask_env()}};
   j["threads"] = threads;
   // Every kind of peak an engine is held to; null where not measured, with the reason.
   const auto rate = [](const std::optional<double>& x) { return x ? json(*x) : json(nullptr); };
@@ -155,7 +168,11 @@ void print_text(std::ostream& os, const json& info) {
   label("platform") << info["platform"].get<std::string>() << '\n';
   label("cpu") << info["cpu"]["brand"].get<std::string>() << " ("
                << info["cpu"]["logical_cpus"].get<int>() << " logical CPUs)\n";
-  label("features") << cell(info["cpu"]["features"]) << '\n';
+  label("features") << (info["cpu"]["features"].empty() ? "none" : cell(info["cpu"]["features"]));
+  if (!info["cpu"]["feature_mask"].is_null())
+    os << " (DATTN_CPU_FEATURES=" << info["cpu"]["feature_mask"].get<std::string>() << "; detected "
+       << cell(info["cpu"]["detected_features"]) << ")";
+  os << '\n';
   label("threads") << info["threads"].get<int>() << '\n';
   label("peak timing") << info["peak_gflops"]["threads"].get<int>()
                        << " thread(s) timed together over one interval, at most the "

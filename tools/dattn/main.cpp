@@ -6,12 +6,23 @@
 #include <omp.h>
 #include <CLI/CLI.hpp>
 
+#include "dattn/cpu_info.hpp"
+#include "dattn/errors.hpp"
 #include "dattn/threads.hpp"
 
 #include "commands.hpp"
 
 int main(int argc, char** argv) {
   using namespace dattn::cli;
+  // A DATTN_CPU_FEATURES that names nothing known is the process's configuration error: said
+  // before anything (the options' help already lists the engines this CPU can run).
+  try {
+    dattn::cpu_features();
+  } catch (const dattn::Error& e) {
+    std::cerr << "error: " << e.what() << '\n';
+    return kExitUsage;
+  }
+
   CLI::App app{"dattn: attention backends for diffusion transformers"};
   app.require_subcommand(1);
 
