@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         (t_ref, a_ref, n_ref), ref = forward(model, inputs, args.reps)
         with dattn.diffusers.enable(model, backend=args.backend) as handle:
             (t_dattn, a_dattn, n_dattn), out = forward(model, inputs, args.reps)
-            engines = sorted({layer.last_engine for layer in handle._layers.values()} - {""})
+            engines = handle.engines
         assert n_ref == n_dattn == args.double + args.single
         assert handle.calls == args.reps * n_ref and not handle.fallbacks, handle
         diff = float((out.double() - ref.double()).abs().max())

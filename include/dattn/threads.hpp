@@ -15,6 +15,21 @@ inline constexpr int kMaxThreads = 1024;
 // region of the library and of the CLI runs with at most this many threads.
 int default_threads();
 
+// For the life of the object, default_threads() in the calling thread is `threads` (clamped to
+// [1, kMaxThreads]; 0 or less leaves it as it is); the previous count comes back on destruction.
+// OpenMP's thread count is a per-thread setting, so this never affects calls made by other
+// threads (the Python package uses it to follow PyTorch's torch.get_num_threads()).
+class ScopedThreads {
+ public:
+  explicit ScopedThreads(int threads);
+  ~ScopedThreads();
+  ScopedThreads(const ScopedThreads&) = delete;
+  ScopedThreads& operator=(const ScopedThreads&) = delete;
+
+ private:
+  int previous_ = 0;  // 0: nothing was changed
+};
+
 // The logical CPUs this process may run on (its affinity mask, what `nproc` counts; at least 1).
 int affinity_cpus();
 

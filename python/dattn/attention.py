@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from . import _core
 from .errors import InvalidArgument, InvalidArgumentType, _with_field, as_int
 from .metadata import metadata_dict
-from .tensors import empty_like_input, float32_like, tensor_arg
+from .tensors import empty_like_input, float32_like, is_torch, tensor_arg
 
 _LAYOUTS = ("BSHD", "BHSD", "THD")
 
@@ -141,10 +141,13 @@ class Attention:
             if isinstance(attn_metadata, dict)
             else getattr(attn_metadata, "joint_query", None)
         )
-        if jq is None or not hasattr(jq, "shape"):
+        return self._joint_rows_of(jq)
+
+    def _joint_rows_of(self, joint_query) -> int:
+        if joint_query is None or not hasattr(joint_query, "shape"):
             return 0
         dim = {"BSHD": 1, "BHSD": 2, "THD": 0}[self.layout]
-        return int(jq.shape[dim]) if len(jq.shape) > dim else 0
+        return int(joint_query.shape[dim]) if len(joint_query.shape) > dim else 0
 
     def forward(self, query, key, value, attn_metadata=None, return_lse: bool = False, out=None):
         """Attention of `query` over `key`/`value` with the call's metadata.
@@ -152,22 +155,40 @@ class Attention:
         Returns the output (joint rows included, in joint-strategy order), a torch.Tensor for
         torch inputs and a numpy array for numpy inputs, in the query's dtype; with
         ``return_lse=True`` also the f32 log-sum-exp ``[B, H, S]``. ``out=`` is written in place
-        and returned; on any error nothing is written.
+        and returned; on any error nothing is written. On torch tensors the call runs on
+        ``torch.get_num_threads()`` threads (:func:`dattn.set_num_threads` overrides it) and is
+        recorded as the custom op ``dattn::forward`` where a graph is traced or compiled
+        (``torch.compile``, ``torch.export``, ``torch.jit.trace``, fake tensors).
         """
+        if is_torch(query):
+            from .torch_adapter import layer_forward
+
+            return layer_forward(self, query, key, value, attn_metadata, return_lse, out)
+        return self._forward_tensors(query, key, value, attn_metadata, return_lse, out, 0)
+
+    def _forward_tensors(self, query, key, value, attn_metadata, return_lse, out, threads):
+        """The call on concrete tensors, on `threads` OpenMP threads (0: OpenMP's count)."""
         q = tensor_arg(query, "query")
         k = tensor_arg(key, "key")
         v = tensor_arg(value, "value")
         meta = metadata_dict(attn_metadata, tensor_arg)
         out_shape, lse_shape = self._shapes(query, value, self._joint_rows(attn_metadata))
-        if out is None:
-            out = empty_like_input(out_shape if out_shape else (0,), query)
+        target = out
+        if is_torch(out) and (out.is_neg() or out.is_conj()):
+            target = None  # a lazily negated view: computed apart, then copied in through it
+        if target is None:
+            target = empty_like_input(out_shape if out_shape else (0,), query)
         lse = None
         if return_lse:
             lse = empty_like_input(lse_shape if lse_shape else (0,), query, float32_like(query))
         self._layer.forward_into(
-            q, k, v, meta, tensor_arg(out, "out"), None if lse is None else tensor_arg(lse, "lse")
+            q, k, v, meta, tensor_arg(target, "out"),
+            None if lse is None else tensor_arg(lse, "lse"), int(threads),
         )
-        return (out, lse) if return_lse else out
+        if out is not None and target is not out:
+            out.copy_(target)
+            target = out
+        return (target, lse) if return_lse else target
 
     __call__ = forward
 
@@ -183,6 +204,11 @@ class Attention:
         lse = None
         if call.return_lse:
             lse = empty_like_input((heads, t), q, float32_like(q))
+        threads = 0
+        if is_torch(q):
+            from .torch_adapter import call_threads
+
+            threads = call_threads()
         self._layer.forward_paged(
             {
                 "query": tensor_arg(q, "query"),
@@ -210,6 +236,7 @@ class Attention:
                     else as_int(None, "full_attn_spans")  # not a (start, end) pair
                     for span in (call.full_attn_spans or [])
                 ],
+                "threads": threads,
             },
             call.pool._pool,
         )

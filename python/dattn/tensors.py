@@ -1,19 +1,21 @@
 """How torch tensors and numpy arrays reach dattn._core, and how outputs are made.
 
 torch.Tensor goes through DLPack (no copy, any strides). PyTorch's DLPack refuses tensors that
-require grad: such a tensor is passed as ``.detach()``, and a bool tensor as its uint8 view (the same memory; dattn is inference only). numpy arrays are
-read through ``__array_interface__`` (no copy), so read-only arrays such as ``np.broadcast_to``
-results and bool arrays need nothing special; an output must be writable.
+require grad: such a tensor is passed as ``.detach()``, and a bool tensor as its uint8 view (the
+same memory; dattn is inference only); a tensor with PyTorch's lazy negation or conjugation bit
+is read resolved (DLPack would hand over the raw memory). numpy arrays are read through
+``__array_interface__`` (no copy), so read-only arrays such as ``np.broadcast_to`` results and
+bool arrays need nothing special; an output must be writable.
+
+torch is never imported here: an object is a torch tensor only if torch is already imported
+(``import dattn`` imports neither torch nor any host framework).
 """
 
 from __future__ import annotations
 
-from .errors import InvalidArgument, UnsupportedTensor, _with_field
+import sys
 
-try:  # torch is optional: numpy arrays work without it
-    import torch
-except ImportError:  # pragma: no cover - torch is a test dependency (requirements.txt)
-    torch = None
+from .errors import InvalidArgument, UnsupportedTensor, _with_field
 
 try:
     import numpy as np
@@ -21,7 +23,12 @@ except ImportError:  # pragma: no cover
     np = None
 
 
+def _torch():
+    return sys.modules.get("torch")
+
+
 def is_torch(x) -> bool:
+    torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -50,9 +57,14 @@ def check_device(x, field: str):
 def tensor_arg(x, field: str):
     """What dattn._core takes for tensor `x` (argument `field`)."""
     if is_torch(x):
+        torch = _torch()
         check_device(x, field)
         if x.requires_grad:
             x = x.detach()
+        if x.is_neg():
+            x = x.resolve_neg()
+        if x.is_conj():
+            x = x.resolve_conj()
         if x.dtype == torch.bool:
             return (x.view(torch.uint8), "bool")
         return x
@@ -70,8 +82,9 @@ def tensor_arg(x, field: str):
 
 def empty_like_input(shape, like, dtype=None):
     """A new tensor of `shape` of the kind of `like` (torch or numpy), `dtype` or like's."""
-    if is_torch(like):
-        return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype)
+    if is_torch(like):  # on like's device: never torch's default device (set_default_device)
+        return _torch().empty(tuple(shape), dtype=like.dtype if dtype is None else dtype,
+                              device=like.device)
     if is_numpy(like):
         return np.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype)
     raise _with_field(InvalidArgument, "query: expected a torch.Tensor or numpy.ndarray", "query")
@@ -79,5 +92,5 @@ def empty_like_input(shape, like, dtype=None):
 
 def float32_like(like):
     if is_torch(like):
-        return torch.float32
+        return _torch().float32
     return np.float32

@@ -46,6 +46,16 @@ int default_threads() {
   return std::clamp(omp, 1, kMaxThreads);
 }
 
+ScopedThreads::ScopedThreads(int threads) {
+  if (threads <= 0) return;
+  previous_ = omp_get_max_threads();
+  omp_set_num_threads(std::clamp(threads, 1, kMaxThreads));
+}
+
+ScopedThreads::~ScopedThreads() {
+  if (previous_ > 0) omp_set_num_threads(previous_);
+}
+
 int affinity_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);

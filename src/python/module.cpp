@@ -29,6 +29,7 @@
 #include "dattn/page_pool.hpp"
 #include "dattn/paged.hpp"
 #include "dattn/registry.hpp"
+#include "dattn/threads.hpp"
 
 namespace py = pybind11;
 
@@ -312,9 +313,10 @@ class Layer {
   explicit Layer(const py::dict& config) : layer_(config_from(config)) {}
 
   // Runs one call into `out` (and `lse`); returns the name of the backend that ran it.
+  // `threads` > 0: the call's OpenMP threads (the torch adapter passes torch.get_num_threads()).
   std::string forward_into(const py::handle& q, const py::handle& k, const py::handle& v,
                            const py::handle& metadata, const py::handle& out,
-                           const py::handle& lse) const {
+                           const py::handle& lse, int threads) const {
     Keep keep;
     const TensorView qv = tensor_arg(q, "query", keep), kv = tensor_arg(k, "key", keep),
                      vv = tensor_arg(v, "value", keep);
@@ -325,6 +327,7 @@ class Layer {
     const Backend* ran = nullptr;
     {
       py::gil_scoped_release release;
+      const ScopedThreads scoped(threads);
       ran = &layer_.forward_into(qv, kv, vv, meta, ov, lv);
     }
     return ran->name();
@@ -409,7 +412,9 @@ void Layer::forward_paged(const py::dict& call, const py::handle& cache_obj) con
     for (const auto& span : call["full_attn_spans"])
       c.full_attn_spans.push_back(
           as<std::pair<i64, i64>>(span, "full_attn_spans", "(start, end) pairs"));
+  const int threads = optional_int(call, "threads", "threads").value_or(0);
   py::gil_scoped_release release;
+  const ScopedThreads scoped(int(threads));
   layer_.forward_paged(c);
 }
 
@@ -500,7 +505,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Layer>(m, "Layer")
       .def(py::init<const py::dict&>())
       .def("forward_into", &Layer::forward_into, py::arg("q"), py::arg("k"), py::arg("v"),
-           py::arg("metadata"), py::arg("out"), py::arg("lse"))
+           py::arg("metadata"), py::arg("out"), py::arg("lse"), py::arg("threads") = 0)
       .def("forward_paged", &Layer::forward_paged)
       .def_property_readonly("backend_name", &Layer::backend_name)
       .def_property_readonly("last_engine", &Layer::last_engine)

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
 import dattn  # noqa: E402
-import dattn.diffusers as dd  # noqa: E402
+import dattn.diffusers as dd
+from dattn import torch_adapter as ta  # noqa: E402
 from diffusers.models import attention_dispatch  # noqa: E402
 
 F = torch.nn.functional
@@ -386,7 +387,7 @@ def test_exception_inside_the_model_clears_the_mark():
         bad = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"][..., :5])
         with pytest.raises(RuntimeError):
             run(model, bad)
-        assert dd._ACTIVE.get() is None
+        assert ta.marked_handle() is None
         other, other_inputs = wan()
         with sdpa_spy() as spy:
             run(other, other_inputs)
@@ -425,7 +426,7 @@ def test_direct_fallback_reasons():
     dispatch = model.transformer_blocks[0].attn.processor.__class__.__call__.__globals__[
         "dispatch_attention_fn"]
     q = _randn(1, 8, 2, 16, seed=1)
-    token = dd._ACTIVE.set(handle)
+    ta.push_mark(handle)
     try:
         want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, q, q)),
                                               dropout_p=0.0).transpose(1, 2)
@@ -457,7 +458,7 @@ def test_direct_fallback_reasons():
         ).transpose(1, 2)
         assert rel(masked, want_masked) <= 1e-5
     finally:
-        dd._ACTIVE.reset(token)
+        ta.pop_mark()
         handle.disable()
     assert handle.fallbacks == {"dropout": 1, "attention_kwargs": 1, "gqa": 1,
                                 "mask_and_causal": 1}

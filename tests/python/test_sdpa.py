@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import dattn
-from dattn import sdpa
+from dattn import sdpa  # noqa: F401
+from dattn import torch_adapter as ta
 from dattn.sdpa import SdpaError
 from conftest import assert_close, rand
 
@@ -282,9 +283,10 @@ def test_meta_tensors_are_refused_naming_the_device():
 def test_layers_are_cached():
     q, k, v = qkv()
     dattn.scaled_dot_product_attention(q, k, v, scale=0.25)
-    layer = sdpa._LAYERS[(4, 4, 16, False, 0.25)]
+    key = (ta.OWN.config, "BHSD", 4, 4, 16, False, 0.25)
+    layer = ta._LAYERS[key]
     dattn.scaled_dot_product_attention(q, k, v, scale=0.25)
-    assert sdpa._LAYERS[(4, 4, 16, False, 0.25)] is layer
+    assert ta._LAYERS[key] is layer
 
 
 # --- patch_torch_sdpa: behaves as PyTorch's function -------------------------------------------
@@ -295,10 +297,12 @@ def _state():
 
 
 def _served(fn):
-    """Runs fn() and says whether dattn computed it (a layer was built for the call)."""
-    sdpa._LAYERS.clear()
+    """Runs fn() under a patch and says whether dattn computed it (the newest patch handle's
+    count of served calls went up)."""
+    handle = ta.SdpaPatchState.handles[-1]
+    before = handle.calls
     result = fn()
-    return result, bool(sdpa._LAYERS)
+    return result, handle.calls > before
 
 
 REFUSED = [  # (name, kwargs builder over q, k, v): calls PyTorch 2.13 refuses
@@ -524,7 +528,7 @@ def test_patch_over_someone_elses_patch(monkeypatch):
     new.undo()
     assert getattr(F, _NAME) is theirs
     monkeypatch.undo()  # their undo puts back dattn's first wrapper, whose handle is gone
-    assert getattr(getattr(F, _NAME), "_dattn_patch", False)
+    assert ta.hook_of(getattr(F, _NAME)) is not None  # dattn's, inert
     with dattn.patch_torch_sdpa():  # a new patch wraps what that wrapper wrapped ...
         pass
     assert _state() is before  # ... and restores it

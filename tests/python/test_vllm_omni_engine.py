@@ -362,7 +362,11 @@ def test_the_engines_variable_never_breaks_dattns_layers(monkeypatch, value):
     not know (a plain dattn.Attention), but the layers dattn's adapters build (the engine
     backend's impl, the SDPA drop-in and its patch) take dattn's choice explicitly."""
     monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", value)
-    monkeypatch.setattr(dattn.sdpa, "_LAYERS", {})  # layers are cached with their backend
+    import collections
+
+    import dattn.torch_adapter as ta
+
+    monkeypatch.setattr(ta, "_LAYERS", collections.OrderedDict())  # cached with their backend
     want_backend = "REFERENCE" if value == "reference" else "FLASH"
     ours = value.lower() in ("auto", "reference")
     if not ours:
