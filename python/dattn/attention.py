@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -53,6 +54,11 @@ def _backend_kwargs(kwargs) -> dict:
     return out
 
 
+#: Every live layer by id(): what the custom op ``dattn::forward`` names a layer by (a graph
+#: recorded with a layer runs while that layer lives).
+LAYERS_BY_ID: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictionary()
+
+
 class Attention:
     """One attention layer (the seed's AttentionImpl arguments, plus dattn's choices).
 
@@ -97,6 +103,7 @@ class Attention:
         self.head_size = head_size
         self.causal = bool(causal)
         self.prefix = prefix
+        LAYERS_BY_ID[id(self)] = self
 
     @property
     def backend_name(self) -> str:

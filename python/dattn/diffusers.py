@@ -106,14 +106,14 @@ class _MarkedForward:
         self._handle = handle
         self._module = weakref.ref(module)
         self._previous = previous
+        self._forward = type(module).forward  # the class's function (no reference to module)
         self.__name__ = "forward"
-        self.__doc__ = type(module).forward.__doc__
+        self.__doc__ = self._forward.__doc__
 
     def _inner(self, args, kwargs):
         if self._previous is not None:
             return self._previous(*args, **kwargs)
-        module = self._module()
-        return type(module).forward(module, *args, **kwargs)
+        return self._forward(self._module(), *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         from . import torch_adapter as ta

@@ -142,11 +142,13 @@ def scaled_dot_product_attention(
                          "(PyTorch's rule)", "attn_mask")
         causal, attn_mask = bias, None
     relevant = tuple(t for t in (query, key, value, attn_mask) if isinstance(t, torch.Tensor))
-    if not torch.compiler.is_compiling() and torch.overrides.has_torch_function(relevant):
+    if not torch.compiler.is_compiling() and ta.torch_function_active(relevant):
         # Subclasses, biases and TorchFunctionModes: PyTorch's function, through them.
         ta.OWN.fell_back("torch_function")
+        target = ta.torch_function_target(torch.nn.functional.scaled_dot_product_attention,
+                                          relevant)
         return torch.overrides.handle_torch_function(
-            torch.nn.functional.scaled_dot_product_attention, relevant, query, key, value,
+            target, relevant, query, key, value,
             attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=True,
         )

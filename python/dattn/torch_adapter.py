@@ -183,6 +183,26 @@ def _layer(client: Client, layout: str, heads: int, kv_heads: int, head_size: in
 # --- tensors ---------------------------------------------------------------------------------
 
 
+def _plain_type(t) -> bool:
+    tf = getattr(type(t), "__torch_function__", None)
+    return type(t) in (torch.Tensor, torch.nn.Parameter) or tf is torch._C._disabled_torch_function_impl
+
+
+def torch_function_active(tensors) -> bool:
+    """Whether a call on ``tensors`` belongs to ``__torch_function__``: an argument's class
+    overrides it (a tensor subclass, an attention bias, a nested tensor) or a
+    ``TorchFunctionMode`` is active. ``torch.set_default_device``'s mode (DeviceContext) does not
+    count: it concerns factory functions only, and dattn allocates on its inputs' device."""
+    if not has_torch_function(tensors):
+        return False
+    if any(not _plain_type(t) for t in tensors):
+        return True
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return any(not isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
+
+
 def plain_keys(t: torch.Tensor) -> bool:
     """Whether ``t`` dispatches as a plain dense CPU tensor (no subclass, wrapper, lazy bit)."""
     return torch._C._dispatch_keys(t).raw_repr() & ~_PLAIN_KEYS == 0
@@ -443,9 +463,19 @@ def _sdpa_fake(query, key, value, attn_mask, causal, scale, enable_gqa, layout, 
     return out, query.new_empty(lse_shape, dtype=torch.float32)
 
 
-#: dattn.Attention layers that ran as ``dattn::forward``, by the id the op carries.
-_OP_LAYERS: Dict[int, Any] = {}
-_OP_LAYERS_LOCK = threading.Lock()
+def _op_layer(layer: int):
+    from .attention import LAYERS_BY_ID
+
+    attn = LAYERS_BY_ID.get(layer)
+    if attn is None:
+        raise _with_field(
+            Unsupported,
+            f"dattn::forward: layer {layer} is not alive in this process (a dattn.Attention "
+            f"call recorded in a graph runs while its layer lives)",
+            "layer",
+        )
+    return attn
+
 
 
 @torch.library.custom_op("dattn::forward", mutates_args=(), device_types="cpu")
@@ -453,21 +483,14 @@ def forward_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    tensors: List[Optional[torch.Tensor]],
+    tensors: List[torch.Tensor],
     layer: int,
     call: str,
     return_lse: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """A :class:`dattn.Attention` call (the layer by its op id, the metadata as JSON with its
     tensors in ``tensors``). Returns (out, lse): lse empty unless ``return_lse``."""
-    attn = _OP_LAYERS.get(layer)
-    if attn is None:
-        raise _with_field(
-            Unsupported,
-            f"dattn::forward: layer {layer} is not in this process (a dattn.Attention call "
-            f"recorded in a graph runs where its layer lives)",
-            "layer",
-        )
+    attn = _op_layer(layer)
     meta = _meta_from_json(call, tensors)
     result = attn._forward_tensors(query, key, value, meta, return_lse, None, call_threads())
     out, lse = result if return_lse else (result, None)
@@ -478,8 +501,8 @@ def forward_op(
 
 @forward_op.register_fake
 def _forward_fake(query, key, value, tensors, layer, call, return_lse):
-    attn = _OP_LAYERS.get(layer)
-    data = json.loads(call)
+    attn = _op_layer(layer)
+    data = json.loads(call) or {}
     jq = data.get("joint_query")
     joint = tensors[jq["__tensor__"]] if isinstance(jq, dict) else None
     out_shape, lse_shape = attn._shapes(query, value, attn._joint_rows_of(joint))
@@ -499,7 +522,7 @@ def _meta_to_json(meta, tensors: List[torch.Tensor]) -> str:
 
     d = metadata_dict(meta, collect)
     try:
-        return json.dumps(d)
+        return _dumps(d)
     except TypeError as e:
         raise _with_field(
             Unsupported,
@@ -507,6 +530,12 @@ def _meta_to_json(meta, tensors: List[torch.Tensor]) -> str:
             f"ints, floats, strings and tensors",
             "attn_metadata",
         ) from None
+
+
+@torch._dynamo.assume_constant_result
+def _dumps(d) -> str:
+    """JSON of constants; dynamo evaluates it while tracing (the result is a constant)."""
+    return json.dumps(d)
 
 
 def _meta_from_json(call: str, tensors) -> Optional[dict]:
@@ -553,9 +582,7 @@ def layer_forward(attn, query, key, value, attn_metadata, return_lse: bool, out)
             Unsupported, "out: an output buffer cannot be recorded in a graph; drop out=", "out"
         )
     meta_tensors: List[torch.Tensor] = []
-    call = _meta_to_json(attn_metadata, meta_tensors)
-    with _OP_LAYERS_LOCK:
-        _OP_LAYERS[id(attn)] = attn  # lives as long as the process may replay its graph
+    call = "null" if attn_metadata is None else _meta_to_json(attn_metadata, meta_tensors)
     o, lse = forward_op(query, key, value, meta_tensors, id(attn), call, return_lse)
     return (o, lse) if return_lse else o
 
@@ -739,13 +766,13 @@ def serve_sdpa(client: Client, public: Callable, original: Callable, args, kwarg
     causal = CAUSAL_TOP_LEFT if bound.get("is_causal") is True else CAUSAL_NONE
     relevant = (q, k, v) if mask is None else (q, k, v, mask)
     mode = _causal_bias_mode(mask)
-    if not compiling and has_torch_function(relevant):
-        if (mode is None or has_torch_function((q, k, v))
-                or torch._C._is_torch_function_mode_enabled()):
+    if not compiling and torch_function_active(relevant):
+        if mode is None or torch_function_active((q, k, v)):
             # Tensor subclasses, attention biases and TorchFunctionModes handle the call
-            # themselves, through the function it was made with.
+            # themselves (torch_function_target says through which function).
             client.fell_back("torch_function")
-            return handle_torch_function(public, relevant, *args, **kwargs)
+            return handle_torch_function(torch_function_target(public, relevant), relevant,
+                                         *args, **kwargs)
     if mode is not None:
         if bound.get("is_causal"):
             _count(client, "mask_and_causal", compiling)
@@ -783,7 +810,7 @@ def serve_dispatch(client: Client, original: Callable, signature, args, kwargs):
     if reason is None and (not all(isinstance(t, torch.Tensor) for t in (q, k, v))
                            or not (mask is None or isinstance(mask, torch.Tensor))):
         reason = "arguments"
-    if reason is None and not compiling and has_torch_function(
+    if reason is None and not compiling and torch_function_active(
             tuple(t for t in (q, k, v, mask) if t is not None)):
         reason = "torch_function"
     if reason is None and not compiling:
@@ -805,6 +832,20 @@ def serve_dispatch(client: Client, original: Callable, signature, args, kwargs):
         return original(*args, **kwargs)
     causal = CAUSAL_TOP_LEFT if bound["is_causal"] else CAUSAL_NONE
     return _compute(client, bound, "BSHD", causal, graph)
+
+
+def torch_function_target(public: Callable, tensors) -> Callable:
+    """The function ``__torch_function__`` handlers are given for an SDPA call: ``public``
+    (``torch.nn.functional.scaled_dot_product_attention`` as bound now, what a user's override
+    or mode compares ``func`` with, and what an attention bias's handler expects), except where
+    an argument is one of PyTorch's own classes outside ``torch.nn.attention`` (nested
+    tensors): PyTorch's tables key those on its builtin, which they then get."""
+    for t in tensors:
+        module = type(t).__module__
+        if (module.startswith("torch.") and not module.startswith("torch.nn.attention")
+                and not _plain_type(t)):
+            return PYTORCH_SDPA
+    return public
 
 
 def pytorch_causal_bias(original: Callable, bound: dict, causal: int):
