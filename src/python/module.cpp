@@ -315,8 +315,8 @@ class Layer {
   // Runs one call into `out` (and `lse`); returns the name of the backend that ran it.
   // `threads` > 0: the call's OpenMP threads (the torch adapter passes torch.get_num_threads()).
   std::string forward_into(const py::handle& q, const py::handle& k, const py::handle& v,
-                           const py::handle& metadata, const py::handle& out,
-                           const py::handle& lse, int threads) const {
+                           const py::handle& metadata, const py::handle& out, const py::handle& lse,
+                           int threads) const {
     Keep keep;
     const TensorView qv = tensor_arg(q, "query", keep), kv = tensor_arg(k, "key", keep),
                      vv = tensor_arg(v, "value", keep);
