@@ -9,10 +9,19 @@ they stand alone on local bases with the same methods and use ``dattn.AttentionM
 
 The capability flags are read from dattn's FLASH backend (``dattn.get_backend("FLASH")``), the
 backend a layer gets unless ``backend_kwargs["backend"]`` picks another; ``supported_platforms``
-adds the engine's out-of-tree platform value ``"oot"`` to FLASH's ``"cpu"``. The engine's
-metadata objects are read field by field, ``extra`` included (``cu_seqlens_q/k``,
-``max_seqlen_q/k``, ``valid_kv_length``, ``kv_cache_dtype``, ``laser_input_scale``; unknown
-keys are ignored).
+adds the engine's out-of-tree platform value ``"oot"`` to FLASH's ``"cpu"``. The paged flags are
+False: dattn's paged KV (``forward_paged`` with a :class:`dattn.PagedCall`) is its own page pool,
+not the engine's paged-KV context over vLLM's cache. The engine's metadata objects are read
+field by field, ``extra`` included (``cu_seqlens_q/k``, ``max_seqlen_q/k``, ``valid_kv_length``,
+``kv_cache_dtype``, ``laser_input_scale``; unknown keys are ignored).
+
+Calls mean what they mean in the engine's own ``Attention`` layer
+(``vllm_omni.diffusion.attention.layer``, which runs its sequence-parallel strategies around
+the backend): head counts come from the tensors (per-rank shards under Ulysses), joint tokens
+the layer has already joined are not attached again, 2-D masks of integer or 0/1 float dtypes
+are keep-masks as the engine's SDPA reads them, and the layer's ``role`` decides whether a key
+mask also zeroes padding query rows (``self``) or not (``cross``); see
+:class:`DattnAttentionImpl`.
 
 CPU tensors are computed by dattn whatever the engine's current platform is; other tensors go
 to the base class's platform dispatch (``forward_cuda`` etc.), which this class does not
@@ -27,8 +36,11 @@ accelerator, or with ``DATTN_VLLM_OMNI=1``, dattn's CPU platform
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Optional, Set
+from collections.abc import Mapping
+from typing import Any, Dict, Optional, Set, Tuple
 
 from .attention import Attention, PagedCall
 from .backends import adapter_backend, get_backend
@@ -170,8 +182,121 @@ def _device_of(x) -> str:
     return str(device) if getattr(device, "type", "cpu") != "cpu" else "cpu"
 
 
+def dattn_role(role) -> str:
+    """dattn's role ("self" or "cross") for the engine's role string: "self" for ``self``,
+    ``joint`` and model-scoped ones ending in ``.self``; "cross" for everything else
+    (``cross``, ``ltx2.audio_to_video``, ...), where a 2-D mask masks keys only, as in the
+    engine's own backends."""
+    if role is None:
+        return "self"
+    name = str(role).strip().lower()
+    if name in ("self", "joint") or name.endswith((".self", ".joint")):
+        return "self"
+    return "cross"
+
+
+#: (tensor rank, head dim) of Q/K/V per qkv_layout.
+_HEAD_DIM = {"BSHD": (4, 2), "BHSD": (4, 1), "THD": (3, 1)}
+
+
+def _batch_rows(layout, q_shape, k_shape):
+    """(batch, query rows, key rows) of a call, or (None, None, None) for shapes the core will
+    refuse anyway."""
+    rank = _HEAD_DIM[layout][0]
+    if len(q_shape) != rank or len(k_shape) != rank:
+        return None, None, None
+    if layout == "BSHD":
+        return int(q_shape[0]), int(q_shape[1]), int(k_shape[1])
+    if layout == "BHSD":
+        return int(q_shape[0]), int(q_shape[2]), int(k_shape[2])
+    return 1, int(q_shape[0]), int(k_shape[0])
+
+
+#: The seed's metadata fields (what a metadata object that is not a dataclass is copied by).
+_METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(_DattnMetadata))
+
+
+def _get(md, name):
+    if isinstance(md, Mapping):
+        return md.get(name)
+    return getattr(md, name, None)
+
+
+def _replace(md, changes):
+    """``md`` with ``changes``: the same class for dataclasses, else a dict of its fields."""
+    if dataclasses.is_dataclass(md) and not isinstance(md, type):
+        return dataclasses.replace(md, **changes)
+    if isinstance(md, Mapping):
+        d = dict(md)
+    else:
+        d = {n: getattr(md, n) for n in _METADATA_FIELDS if hasattr(md, n)}
+    d.update(changes)
+    return d
+
+
+
+def _keep_mask(mask, field):
+    """A 2-D mask as a bool keep-mask, as the engine's SDPA makes it (``mask.to(bool)``):
+    integers nonzero = attend; floats must be 0/1 (an additive mask would be inverted)."""
+    torch = sys.modules["torch"]
+    if mask.dtype == torch.bool or mask.dtype.is_complex:
+        return mask  # complex: the core names the dtype
+    if mask.dtype.is_floating_point:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise _with_field(
+                InvalidArgument,
+                f"{field}: a 2-D float mask must hold 0/1 keep flags (1 = attend), as the "
+                f"engine's SDPA reads it; this one has other values (an additive mask, "
+                f"which read as a keep-mask would be inverted): pass a bool [B, Skv] mask, or "
+                f"the additive mask as 4-D [B, 1, 1, Skv]",
+                field,
+            )
+    return mask != 0
+
+
+def _engine_sp_active() -> bool:
+    """Whether the call runs in the engine's sequence-parallel region: its forward context set,
+    SP active there, and a Ulysses, Ring or AllGather-KV degree above 1 (the engine's layer
+    then runs its parallel strategy, which joins the joint tokens into Q/K/V)."""
+    fc = sys.modules.get("vllm_omni.diffusion.forward_context")
+    if fc is None:
+        return False  # the engine's forward context was never imported: no context is set
+    try:
+        if not fc.is_forward_context_available():
+            return False
+        ctx = fc.get_forward_context()
+        config = getattr(ctx, "omni_diffusion_config", None)
+        if config is None:
+            return False
+        p = config.parallel_config
+        degree = max(int(getattr(p, name, 1) or 1)
+                     for name in ("ulysses_degree", "ring_degree", "allgather_degree"))
+        return degree > 1 and bool(ctx.sp_active)
+    except Exception:  # a context of another shape: not the engine's SP region
+        return False
+
+
+def _ulysses_joined(query, key, md) -> bool:
+    """What the engine's Ulysses strategy leaves: ``joint_key`` sliced to the key's heads while
+    ``joint_query`` keeps every head, and the query's leading (front) or trailing (rear) rows
+    exactly one contiguous head block of ``joint_query``."""
+    torch = sys.modules.get("torch")
+    jq, jk = _get(md, "joint_query"), _get(md, "joint_key")
+    tensors = (query, key, jq, jk)
+    if torch is None or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        return False
+    hq, jhq, rows = query.shape[2], jq.shape[2], jq.shape[1]
+    if hq == 0 or jhq == hq or jhq % hq or jk.shape[2] != key.shape[2] or query.shape[1] < rows:
+        return False
+    if rows == 0 or jq.shape[0] != query.shape[0] or jq.shape[3] != query.shape[3]:
+        return False
+    strategy = _get(md, "joint_strategy") or "front"
+    head = query[:, :rows] if strategy == "front" else query[:, query.shape[1] - rows:]
+    return any(torch.equal(head, jq[:, :, r * hq:(r + 1) * hq]) for r in range(jhq // hq))
+
+
 class DattnAttentionImpl(_ImplBase):
-    """One attention layer of the engine, computed by a :class:`dattn.Attention`.
+    """One attention layer of the engine, computed by :class:`dattn.Attention` layers.
 
     ``backend_kwargs`` are dattn's backend options; the key ``"backend"`` picks the dattn
     backend (e.g. ``"REFERENCE"``). Without it: ``DIFFUSION_ATTENTION_BACKEND`` if it names one
@@ -179,13 +304,44 @@ class DattnAttentionImpl(_ImplBase):
     automatic choice, FLASH; the name is passed to dattn's core explicitly, so the engine's
     value of that variable never reaches dattn's registry (see
     :func:`dattn.backends.adapter_backend`). ``extra_impl_args`` may carry ``kv_cache_dtype``
-    (``"fp8"``/``"int8"``); other extra arguments of the engine (``role``,
-    ``backend_explicit``, ...) are kept in ``self.extra_impl_args`` and ignored.
+    (``"fp8"``/``"int8"``) and the engine's ``role`` (see :func:`dattn_role`); all of them are
+    kept in ``self.extra_impl_args``, the others (``backend_explicit``, ...) are ignored.
+
+    What a call means follows the engine's layer (``vllm_omni.diffusion.attention.layer``):
+
+    - **Heads come from the tensors.** ``self.layer`` is built for the model's head counts;
+      a call whose query/key carry other counts (the per-rank head shard under Ulysses
+      sequence parallelism, padded shards of its ``advanced_uaa`` mode) runs on a layer built
+      for those counts (cached per pair), provided they keep the model's GQA ratio
+      (``query_heads * num_kv_heads == key_heads * num_heads``); otherwise
+      :class:`dattn.InvalidArgument` naming ``query`` (or ``key``).
+    - **Joint tokens are attached once.** Called directly, the metadata's
+      ``joint_query/key/value`` are attached to Q/K/V (dattn's rule, docs/semantics.md). Inside
+      the engine's sequence-parallel region (its forward context has SP active with a Ulysses,
+      Ring or AllGather-KV degree above 1) the layer's parallel strategy has already joined
+      them into Q/K/V (and merged ``joint_attn_mask`` into ``attn_mask``), as the engine's own
+      backends assume, so they are not attached again; the same holds for a call whose
+      leading (``front``) or trailing (``rear``) query rows are exactly a head shard of
+      ``joint_query`` (what the Ulysses strategy leaves when no forward context is set).
+    - **2-D masks as the engine's SDPA reads them.** A ``[B, Skv]`` mask of an integer dtype
+      (int64, int32, uint8, ...) is a keep-mask, nonzero = attend (``attn_mask.to(bool)``); a
+      float one must hold only 0/1 and means the same (other values, an additive mask, raise
+      :class:`dattn.InvalidArgument` naming the field: read as bool they would invert). A 2-D
+      mask of another shape that PyTorch broadcasts over ``[Sq, Skv]`` (``[Sq, Skv]``,
+      ``[1, Skv]``) is that 4-D mask, as the engine's SDPA hands it to PyTorch; a 4-D mask with a
+      size-1 query or key dim (``[B, 1, 1, Skv]``) is broadcast over the rows as PyTorch does.
+    - **The role decides what a key mask does to query rows.** In ``cross`` attention a 2-D
+      mask masks keys only and every query row is computed, whatever ``Sq`` and ``Skv`` are; in
+      ``self`` attention with ``Sq == Skv`` a query row whose own key is masked is padding and
+      outputs zeros (dattn's rule; the engine's SDPA computes such rows, which models discard).
     """
 
     _supported_kv_cache_dtypes: Dict[str, Set[str]] = {
         platform: set(dtypes) for platform, dtypes in _FLASH.kv_cache_dtypes.items()
     }
+
+    #: How many per-call head-count layers are kept (besides ``self.layer``).
+    MAX_SHARD_LAYERS = 8
 
     def __init__(
         self,
@@ -207,21 +363,27 @@ class DattnAttentionImpl(_ImplBase):
         self.prefix = prefix
         self.qkv_layout = qkv_layout
         self.extra_impl_args = dict(extra_impl_args)
+        self.role = dattn_role(extra_impl_args.get("role"))
+        self._layer_args = dict(
+            prefix=prefix,
+            qkv_layout=qkv_layout,
+            backend=backend,
+            backend_kwargs=options,
+            role=self.role,
+            kv_cache_dtype=extra_impl_args.get("kv_cache_dtype"),
+            allow_fallback=allow_fallback,
+        )
         self.layer = Attention(
             num_heads,
             head_size,
             softmax_scale=softmax_scale,
             causal=causal,
             num_kv_heads=num_kv_heads,
-            prefix=prefix,
-            qkv_layout=qkv_layout,
-            backend=backend,
-            backend_kwargs=options,
-            kv_cache_dtype=extra_impl_args.get("kv_cache_dtype"),
-            allow_fallback=allow_fallback,
+            **self._layer_args,
         )
         self.num_kv_heads = self.layer.num_kv_heads
         self.softmax_scale = self.layer.softmax_scale
+        self._shard_layers: Dict[Tuple[int, int], Attention] = {}
 
     @property
     def backend_name(self) -> str:
@@ -253,17 +415,142 @@ class DattnAttentionImpl(_ImplBase):
 
     def forward_cpu(self, query, key, value, attn_metadata=None, output=None):
         """The CPU path: the call on dattn (tensors in the layer's ``qkv_layout``, BSHD by
-        default). Returns the output (joint rows included, in joint-strategy order)."""
-        return self.layer.forward(query, key, value, attn_metadata, out=output)
+        default), on the layer for the tensors' head counts, with the metadata read as the
+        engine's layer means it (see the class docstring). Returns the output (joint rows
+        included, in joint-strategy order, where dattn attaches them)."""
+        layer = self._layer_for(query, key)
+        meta = self._call_metadata(query, key, attn_metadata)
+        return layer.forward(query, key, value, meta, out=output)
+
+    # --- heads ---------------------------------------------------------------------------
+
+    def _heads(self, x) -> Optional[int]:
+        shape = getattr(x, "shape", None)
+        rank, dim = _HEAD_DIM[self.layer.layout]
+        if shape is None or len(shape) != rank:
+            return None  # the core names the tensor whose rank is wrong
+        return int(shape[dim])
+
+    def _layer_for(self, query, key) -> Attention:
+        """``self.layer``, or the layer for the call's (query heads, key heads)."""
+        hq, hkv = self._heads(query), self._heads(key)
+        if hq is None or hkv is None or (hq, hkv) == (self.num_heads, self.num_kv_heads):
+            return self.layer
+        if hq <= 0 or hkv <= 0:
+            return self.layer  # the core refuses empty head dims, naming the tensor
+        layer = self._shard_layers.get((hq, hkv))
+        if layer is not None:
+            return layer
+        if hq * self.num_kv_heads != hkv * self.num_heads:
+            name = "key" if hq == self.num_heads else "query"
+            group = self.num_heads // self.num_kv_heads
+            raise _with_field(
+                InvalidArgument,
+                f"{name}: query has {hq} heads and key {hkv}; this layer was built with "
+                f"num_heads = {self.num_heads}, num_kv_heads = {self.num_kv_heads}, so a call "
+                f"(or a per-rank head shard under sequence parallelism) needs query heads = "
+                f"{group} x key heads",
+                name,
+            )
+        layer = Attention(
+            hq,
+            self.head_size,
+            softmax_scale=self.softmax_scale,
+            causal=self.causal,
+            num_kv_heads=hkv,
+            **self._layer_args,
+        )
+        if len(self._shard_layers) >= self.MAX_SHARD_LAYERS:
+            self._shard_layers.pop(next(iter(self._shard_layers)))
+        self._shard_layers[(hq, hkv)] = layer
+        return layer
+
+    # --- metadata ------------------------------------------------------------------------
+
+    def _call_metadata(self, query, key, md):
+        """The call's metadata as dattn reads it: joint tokens dropped where the engine's layer
+        has joined them already, 2-D masks normalised (a new object; ``md`` is not changed)."""
+        if md is None:
+            return None
+        changes = {}
+        joint = _get(md, "joint_query") is not None
+        if joint and self._joined_by_engine(query, key, md):
+            changes.update(joint_query=None, joint_key=None, joint_value=None,
+                           joint_attn_mask=None)
+            joint = False
+        mask = _get(md, "attn_mask")
+        new = self._engine_mask(mask, query, key, "attn_mask", broadcast=not joint)
+        new = self._broadcast_rows(new, query, key, md if joint else None)
+        if new is not mask:
+            changes["attn_mask"] = new
+        if joint:
+            jmask = _get(md, "joint_attn_mask")
+            new = self._engine_mask(jmask, query, key, "joint_attn_mask", broadcast=False)
+            if new is not jmask:
+                changes["joint_attn_mask"] = new
+        return _replace(md, changes) if changes else md
+
+    def _joined_by_engine(self, query, key, md) -> bool:
+        """Whether the engine's parallel strategy has already put the joint tokens into Q/K/V
+        (see the class docstring)."""
+        if _engine_sp_active():
+            return True
+        return self.layer.layout == "BSHD" and _ulysses_joined(query, key, md)
+
+    def _engine_mask(self, mask, query, key, field, broadcast):
+        """A torch 2-D mask as the engine's SDPA reads it (see the class docstring)."""
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return mask
+        layout = self.layer.layout
+        qs, ks = getattr(query, "shape", ()), getattr(key, "shape", ())
+        batch, sq, skv = _batch_rows(layout, qs, ks)
+        if batch is None:
+            return mask
+        if field == "joint_attn_mask":
+            keyed = mask.shape[0] == batch  # [B, J]: its length is the joint rows'
+        else:
+            keyed = tuple(mask.shape) == (batch, skv)
+        if keyed:
+            return _keep_mask(mask, field)
+        if broadcast and mask.shape[0] in (1, sq) and mask.shape[1] in (1, skv):
+            if mask.dtype == torch.bool or mask.dtype.is_floating_point:
+                # PyTorch's broadcast of a 2-D mask: [Sq|1, Skv|1] over every batch and head
+                # (expanded over the rows by _broadcast_rows).
+                return mask[None, None]
+        return mask  # the core refuses it, naming the field
+
+    def _broadcast_rows(self, mask, query, key, joint_md):
+        """A 4-D mask with a size-1 query or key dim (``[B, 1, 1, Skv]``, which PyTorch's SDPA
+        broadcasts) expanded over the call's rows (joint rows included where dattn attaches
+        them), as dattn's core takes 4-D masks: ``[B|1, H|1, Sq, Skv]``."""
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            return mask
+        batch, sq, skv = _batch_rows(self.layer.layout, getattr(query, "shape", ()),
+                                     getattr(key, "shape", ()))
+        if batch is None or (mask.shape[2] != 1 and mask.shape[3] != 1):
+            return mask
+        if joint_md is not None:
+            jq, jk = _get(joint_md, "joint_query"), _get(joint_md, "joint_key")
+            rows = {"BSHD": 1, "BHSD": 2, "THD": 0}[self.layer.layout]
+            sq += int(jq.shape[rows]) if getattr(jq, "ndim", 0) > rows else 0
+            skv += int(jk.shape[rows]) if getattr(jk, "ndim", 0) > rows else 0
+        if mask.shape[2] not in (1, sq) or mask.shape[3] not in (1, skv):
+            return mask  # the core names the shape it expects
+        return mask.expand(mask.shape[0], mask.shape[1], sq, skv)
 
     def forward_paged(self, paged_kv_context: PagedCall):
         """One paged-KV call, described by a :class:`dattn.PagedCall` (dattn's page pool and
-        block tables). Returns the output [T, H, Dv] (and the LSE with ``return_lse``)."""
+        block tables): a dattn extension. The engine's paged context (vLLM's KV cache and
+        block tables, prepared by its worker) is not read by dattn, so the backend class
+        advertises ``supports_paged_kv = False`` and the engine never routes a paged call
+        here. Returns the output [T, H, Dv] (and the LSE with ``return_lse``)."""
         if not isinstance(paged_kv_context, PagedCall):
             raise _with_field(
                 InvalidArgument,
-                f"paged_kv_context: expected a dattn.PagedCall, got "
-                f"{type(paged_kv_context).__name__}",
+                f"paged_kv_context: expected a dattn.PagedCall (dattn reads its own page pool, "
+                f"not the engine's paged KV context), got {type(paged_kv_context).__name__}",
                 "paged_kv_context",
             )
         return self.layer.forward_paged(paged_kv_context)
@@ -272,16 +559,20 @@ class DattnAttentionImpl(_ImplBase):
         return (
             f"DattnAttentionImpl(prefix={self.prefix!r}, heads={self.num_heads}, "
             f"kv_heads={self.num_kv_heads}, head_size={self.head_size}, causal={self.causal}, "
-            f"backend={self.backend_name!r})"
+            f"role={self.role!r}, backend={self.backend_name!r})"
         )
 
 
 class DattnAttentionBackend(_BackendBase):
-    """dattn as the engine's attention backend; capabilities are dattn's FLASH data."""
+    """dattn as the engine's attention backend; capabilities are dattn's FLASH data, except the
+    paged ones (``supports_paged_kv``, ``indexes_kv_by_block_stride()``), False: they would
+    promise that dattn consumes the engine's paged-KV context and vLLM's cache layout."""
 
     accept_output_buffer: bool = _FLASH.accept_output_buffer
     supports_piecewise_spans: bool = _FLASH.supports_piecewise_spans
-    supports_paged_kv: bool = _FLASH.supports_paged_kv
+    # dattn's paged KV (forward_paged with a dattn.PagedCall) reads dattn's own page pool, not
+    # the engine's Scheduler-owned vLLM cache: the engine is told neither paged capability.
+    supports_paged_kv: bool = False
     supports_prefix_kv_slicing: bool = _FLASH.supports_prefix_kv_slicing
     # dattn's own platform key ("cpu") and the engine's value for an out-of-tree platform
     # ("oot", OmniPlatformEnum.OOT), which the engine's validation compares.
@@ -307,7 +598,7 @@ class DattnAttentionBackend(_BackendBase):
 
     @classmethod
     def indexes_kv_by_block_stride(cls) -> bool:
-        return _FLASH.indexes_kv_by_block_stride()
+        return False  # dattn never reads the engine's (vLLM's) paged cache
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:

@@ -5,9 +5,16 @@ Activated by the ``vllm_omni.platform_plugins`` entry point
 (``dattn.vllm_omni.DattnAttentionBackend``): by default and for the name ``DATTN``, resolved
 here without the engine's closed ``DiffusionAttentionBackendEnum``. dattn's own backend names
 (``FLASH``, ``REFERENCE``, ``VIDEO_SPARSE``) select dattn's backend as well, and the layer then
-runs on that dattn backend. The engine's backend names (``TORCH_SDPA``, ``FLASH_ATTN``, ...)
-are refused with a ``ValueError`` naming the valid ones: their implementations dispatch
-``forward`` only to CUDA, ROCm, NPU, XPU and MUSA, so on this platform they could not run.
+runs on that dattn backend. ``TORCH_SDPA`` selects the engine's own SDPA backend (the class
+path its registry holds), which runs here because dattn gives the engine's ``SDPAImpl`` a
+forward on this platform (:func:`dattn.vllm_omni_plugin.serve_engine_sdpa`: the engine's own
+``_forward_impl``, as on CUDA; the per-block kernel of its SDPA ring, used by Ring sequence
+parallelism, on PyTorch's CPU kernel). The engine's other backend names (``FLASH_ATTN``,
+``SAGE_ATTN``, ...) are refused with a ``ValueError`` naming the valid ones: their
+implementations dispatch ``forward`` only to CUDA, ROCm, NPU, XPU and MUSA.
+
+The platform is a single host "device" with ``gloo`` as the distributed backend, so the
+engine's sequence-parallel groups (Ulysses, Ring) form over processes on the host.
 
 Importing this module needs the engine (``vllm_omni.platforms.interface``, hence vllm).
 """
@@ -28,6 +35,9 @@ BACKEND_QUALNAME = "dattn.vllm_omni.DattnAttentionBackend"
 
 #: The name the engine's users select dattn with (DIFFUSION_ATTENTION_BACKEND, AttentionSpec).
 NAME = "DATTN"
+
+#: The engine's backend names that run on this platform as the engine's own implementation.
+ENGINE_NAMES = ("TORCH_SDPA",)
 
 
 def dattn_names() -> Tuple[str, ...]:
@@ -64,16 +74,42 @@ class DattnCpuOmniPlatform(OmniPlatform):
         **kwargs: Any,
     ) -> str:
         del allow_trtllm_default, kwargs
-        if selected_backend is not None and selected_backend.strip().upper() not in dattn_names():
+        from .vllm_omni_plugin import serve_engine_sdpa
+
+        # Every engine layer also builds the engine's SDPA (its sdpa_fallback), and Ring runs
+        # the engine's SDPA ring: both run here once served (also done by the general plugin).
+        serve_engine_sdpa()
+        name = None if selected_backend is None else selected_backend.strip().upper()
+        if name in ENGINE_NAMES:
+            return cls.engine_backend_cls(name, head_size)
+        if name is not None and name not in dattn_names():
             raise ValueError(
                 f"The {selected_backend.upper()} diffusion attention backend has no forward on "
                 f"dattn's CPU platform (the engine's implementations run on cuda, rocm, npu, xpu "
-                f"and musa). Select DATTN (or unset DIFFUSION_ATTENTION_BACKEND), or one of "
-                f"dattn's backends: {', '.join(dattn_names()[1:])}; or switch dattn's platform "
-                f"off with DATTN_VLLM_OMNI=0."
+                f"and musa). Select DATTN (or unset DIFFUSION_ATTENTION_BACKEND), one of "
+                f"dattn's backends: {', '.join(dattn_names()[1:])}, or the engine's "
+                f"{', '.join(ENGINE_NAMES)}; or switch dattn's platform off with "
+                f"DATTN_VLLM_OMNI=0."
             )
         cls.validate_dattn_backend(head_size)
         return BACKEND_QUALNAME
+
+    @classmethod
+    def engine_backend_cls(cls, name: str, head_size: int) -> str:
+        """The class path of the engine's backend ``name`` (one of ``ENGINE_NAMES``) from its
+        registry (overrides included), with its forward on this platform installed."""
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
+
+        from .vllm_omni_plugin import serve_engine_sdpa
+
+        serve_engine_sdpa()
+        path = DiffusionAttentionBackendEnum[name].get_path()
+        backend = resolve_obj_by_qualname(path)
+        if head_size > 0 and not backend.supports_head_size(head_size):
+            raise ValueError(
+                f"The {name} diffusion attention backend does not take head size {head_size}")
+        return path
 
     @classmethod
     def validate_dattn_backend(cls, head_size: int) -> None:
@@ -124,6 +160,16 @@ class DattnCpuOmniPlatform(OmniPlatform):
     @classmethod
     def synchronize(cls) -> None:
         return None
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """The engine's ``init_distributed_environment`` selects each rank's device: there is
+        one, the host."""
+        return None
+
+    @classmethod
+    def manual_seed(cls, seed: int) -> None:
+        torch.manual_seed(seed)
 
     @classmethod
     def get_free_memory(cls, device=None) -> int:

@@ -132,16 +132,18 @@ def test_the_seeds_abstract_init_is_satisfied(engine):
 
 def test_flags_are_dattns_flash_data(engine):
     b, flash = engine.adapter.DattnAttentionBackend, dattn.get_backend("FLASH")
-    for flag in ("accept_output_buffer", "supports_piecewise_spans", "supports_paged_kv",
-                 "supports_prefix_kv_slicing"):
+    for flag in ("accept_output_buffer", "supports_piecewise_spans", "supports_prefix_kv_slicing"):
         assert getattr(b, flag) == getattr(flash, flag), flag
+    # FLASH's paged KV is dattn's own page pool (forward_paged with a dattn.PagedCall); the
+    # engine's paged context and vLLM's block-outermost cache are not read: neither is claimed.
+    assert flash.supports_paged_kv and not b.supports_paged_kv
+    assert not b.indexes_kv_by_block_stride()
     assert tuple(flash.supported_platforms) == ("cpu",)
     assert b.supported_platforms == ("cpu", "oot")  # and the engine's out-of-tree value
     assert b.supports_packed_mask_free() == flash.supports_packed_mask_free()
     assert b.supports_multi_doc_packed_varlen() == flash.supports_multi_doc_packed_varlen()
     assert b.supports_attention_mask() == flash.supports_attention_mask()
     assert b.supports_attention_mask(attention_spec=object()) == flash.supports_attention_mask()
-    assert b.indexes_kv_by_block_stride() == flash.indexes_kv_by_block_stride()
     assert b.get_supported_head_sizes() == flash.get_supported_head_sizes()
     assert b.supports_head_size(59) == flash.supports_head_size(59)
 
@@ -326,7 +328,8 @@ def test_standalone_mode(standalone):
     assert issubclass(a.DattnAttentionBackend, a._StandaloneAttentionBackend)
     assert issubclass(a.DattnAttentionImpl, a._StandaloneAttentionImpl)
     assert a.DattnAttentionBackend.get_metadata_cls() is dattn.AttentionMetadata
-    assert a.DattnAttentionBackend.supports_paged_kv == dattn.get_backend("FLASH").supports_paged_kv
+    assert a.DattnAttentionBackend.supports_paged_kv is False
+    assert a.DattnAttentionBackend.indexes_kv_by_block_stride() is False
     assert a.DattnAttentionImpl.supports_kv_cache_dtype("fp8", "cpu")
     assert not a.DattnAttentionImpl.supports_kv_cache_dtype("fp8", "cuda")
     (q, k, v), fields, want = _joint()
