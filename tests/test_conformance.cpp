@@ -368,10 +368,13 @@ TEST_P(Conformance, MatchesReferenceOrRaisesForUnclaimedFeatures) {
     const ForwardResult want = run(in, "REFERENCE", &want_meta);
     const auto d = testing::compare(got.out.view(), want.out.view());
     EXPECT_FALSE(d.nan) << "NaN where the reference has none (or the reverse)";
-    EXPECT_LE(d.normwise_rel, testing::tolerance_for(p.dtype)) << "max abs " << d.max_abs;
+    // SAGE (8-bit Q.K^T) at its accuracy (test_sage.cpp measures it closely), the others exact.
+    const bool int8 = p.backend == "SAGE";
+    EXPECT_LE(d.normwise_rel, int8 ? 2e-2 : testing::tolerance_for(p.dtype))
+        << "max abs " << d.max_abs;
     const auto l = testing::compare(got.lse->view(), want.lse->view());
     EXPECT_FALSE(l.nan);
-    EXPECT_LE(l.max_abs, p.dtype == DType::F32 ? 1e-4 : 1e-2);
+    EXPECT_LE(l.max_abs, int8 ? 5e-2 : p.dtype == DType::F32 ? 1e-4 : 1e-2);
     for (i64 n = 0; n < got.out.numel(); ++n)
       ASSERT_FALSE(std::isnan(load_as_f32(got.out.data(), got.out.dtype(), n))) << "NaN in output";
     // Every run of the same inputs is bitwise equal.
@@ -462,7 +465,7 @@ TEST_P(PagedConformance, PagedEqualsDenseOrIsRefused) {
   const auto dense = Attention(c).forward(q, full_k, full_v);
   const auto diff = testing::compare(out.view(), dense.out.view());
   EXPECT_FALSE(diff.nan);
-  EXPECT_LE(diff.normwise_rel, 1e-5);
+  EXPECT_LE(diff.normwise_rel, GetParam() == "SAGE" ? 2e-2 : 1e-5);  // SAGE: 8-bit Q.K^T
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, PagedConformance, ::testing::ValuesIn([] {

@@ -68,6 +68,11 @@ struct PeakGflops {
   // Why bf16_dot / amx_bf16 are absent (empty when measured): e.g. "this CPU lacks AVX512-BF16",
   // or why this process cannot run AMX tiles (no AMX, no OS support, Linux refused the tiles).
   std::string bf16_dot_unavailable, amx_bf16_unavailable;
+  // The SAGE engines' 8-bit dot rate in GOP/s (2 ops per byte product): vpdpbusd (AVX512-VNNI,
+  // else AVX-VNNI) or AVX2's vpmaddwd on 16-bit lanes; int8_dot_isa names it, and
+  // int8_dot_unavailable says why it is absent.
+  std::optional<double> int8_dot;
+  std::string int8_dot_isa, int8_dot_unavailable;
 };
 
 // Measures the machine's peak with a register-resident loop of independent FMA chains (and, where

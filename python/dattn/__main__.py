@@ -12,7 +12,7 @@ import sys
 from . import _core
 
 _KINDS = (("f32_fma", "f32 FMA"), ("bf16_dot", "bf16 dot (vdpbf16ps)"),
-          ("amx_bf16", "AMX tiles (tdpbf16ps)"))
+          ("amx_bf16", "AMX tiles (tdpbf16ps)"), ("int8_dot", "int8 dot (GOP/s)"))
 
 
 def _peak_kind(engine: dict):
@@ -21,6 +21,8 @@ def _peak_kind(engine: dict):
         return None
     if engine["compute_dtype"] == "f32":
         return "f32_fma"
+    if engine["compute_dtype"] == "int8":  # SAGE's: Q.K^T's rate
+        return "int8_dot"
     return {"avx512_bf16": "bf16_dot", "amx": "amx_bf16"}.get(engine["name"])
 
 
@@ -58,7 +60,8 @@ def info(threads: int = 0) -> dict:
         "threads": threads,
         "peak_gflops": {
             **{k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable", "amx_bf16",
-                                    "amx_bf16_unavailable", "isa", "threads")},
+                                    "amx_bf16_unavailable", "int8_dot", "int8_dot_isa",
+                                    "int8_dot_unavailable", "isa", "threads")},
             "affinity_cpus": cpu["affinity_cpus"],
         },
         "engines": engines,
@@ -106,6 +109,8 @@ def format_text(data: dict) -> str:
             text = f"{peak[kind]:.1f} {what}"
             if kind == "f32_fma":
                 text += f" ({peak['isa']})"
+            if kind == "int8_dot":
+                text += f" ({peak['int8_dot_isa']})"
             names = [e["name"] for e in data["engines"] if e["peak_kind"] == kind]
             text += ": " + ("no engine uses it yet" if not names else
                             ("engine " if len(names) == 1 else "engines ") + ", ".join(names))

@@ -625,8 +625,38 @@ class DattnAttentionBackend(_BackendBase):
         return _FLASH.get_supported_head_sizes()  # [] = any head size
 
 
+class DattnSageAttentionImpl(DattnAttentionImpl):
+    """The engine's ``SAGE_ATTN`` / ``SAGE_ATTN_3`` on dattn's platform: a layer on dattn's SAGE
+    backend (8-bit Q.K^T with K smoothing, P.V in bf16 or f32; docs/semantics.md, "SAGE"),
+    unless ``backend_kwargs["backend"]`` names another dattn backend; SAGE's options
+    (``pv_dtype``, ``smooth_k``, ``balance_qk``, ``isa``) in ``backend_kwargs``."""
+
+    def __init__(self, num_heads: int, head_size: int, softmax_scale: Optional[float],
+                 causal: bool = False, num_kv_heads: Optional[int] = None, prefix: str = "",
+                 qkv_layout: Optional[str] = None,
+                 backend_kwargs: Optional[Dict[str, Any]] = None, **extra_impl_args) -> None:
+        options = dict(backend_kwargs or {})
+        options.setdefault("backend", "SAGE")
+        super().__init__(num_heads, head_size, softmax_scale, causal=causal,
+                         num_kv_heads=num_kv_heads, prefix=prefix, qkv_layout=qkv_layout,
+                         backend_kwargs=options, **extra_impl_args)
+
+
+class DattnSageAttentionBackend(DattnAttentionBackend):
+    """The engine's SAGE names on dattn's platform (:class:`DattnSageAttentionImpl`)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "DATTN_SAGE"
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return DattnSageAttentionImpl
+
+
 #: Shorter names for the same classes.
 DattnBackend = DattnAttentionBackend
 DattnImpl = DattnAttentionImpl
 
-__all__ = ["DattnAttentionBackend", "DattnAttentionImpl", "DattnBackend", "DattnImpl", "ENGINE_AVAILABLE"]
+__all__ = ["DattnAttentionBackend", "DattnAttentionImpl", "DattnBackend", "DattnImpl",
+           "DattnSageAttentionBackend", "DattnSageAttentionImpl", "ENGINE_AVAILABLE"]

@@ -9,8 +9,10 @@ runs on that dattn backend. ``TORCH_SDPA`` selects the engine's own SDPA backend
 path its registry holds), which runs here because dattn gives the engine's ``SDPAImpl`` a
 forward on this platform (:func:`dattn.vllm_omni_plugin.serve_engine_sdpa`: the engine's own
 ``_forward_impl``, as on CUDA; the per-block kernel of its SDPA ring, used by Ring sequence
-parallelism, on PyTorch's CPU kernel). The engine's other backend names (``FLASH_ATTN``,
-``SAGE_ATTN``, ...) are refused with a ``ValueError`` naming the valid ones: their
+parallelism, on PyTorch's CPU kernel). ``SAGE_ATTN`` and ``SAGE_ATTN_3`` select
+dattn's SAGE backend (``dattn.vllm_omni.DattnSageAttentionBackend``: 8-bit attention in
+SageAttention's manner on the CPU). The engine's other backend names (``FLASH_ATTN``, ...) are
+refused with a ``ValueError`` naming the valid ones: their
 implementations dispatch ``forward`` only to CUDA, ROCm, NPU, XPU and MUSA.
 
 The platform is a single host "device" with ``gloo`` as the distributed backend, so the
@@ -38,6 +40,10 @@ NAME = "DATTN"
 
 #: The engine's backend names that run on this platform as the engine's own implementation.
 ENGINE_NAMES = ("TORCH_SDPA",)
+
+#: The engine's SageAttention names, served here by dattn's SAGE backend.
+SAGE_NAMES = ("SAGE_ATTN", "SAGE_ATTN_3")
+SAGE_QUALNAME = "dattn.vllm_omni.DattnSageAttentionBackend"
 
 
 def dattn_names() -> Tuple[str, ...]:
@@ -82,13 +88,16 @@ class DattnCpuOmniPlatform(OmniPlatform):
         name = None if selected_backend is None else selected_backend.strip().upper()
         if name in ENGINE_NAMES:
             return cls.engine_backend_cls(name, head_size)
+        if name in SAGE_NAMES:  # SageAttention's scheme on the CPU: dattn's SAGE
+            cls.validate_dattn_backend(head_size)
+            return SAGE_QUALNAME
         if name is not None and name not in dattn_names():
             raise ValueError(
                 f"The {selected_backend.upper()} diffusion attention backend has no forward on "
                 f"dattn's CPU platform (the engine's implementations run on cuda, rocm, npu, xpu "
                 f"and musa). Select DATTN (or unset DIFFUSION_ATTENTION_BACKEND), one of "
                 f"dattn's backends: {', '.join(dattn_names()[1:])}, or the engine's "
-                f"{', '.join(ENGINE_NAMES)}; or switch dattn's platform off with "
+                f"{', '.join(ENGINE_NAMES + SAGE_NAMES)}; or switch dattn's platform off with "
                 f"DATTN_VLLM_OMNI=0."
             )
         cls.validate_dattn_backend(head_size)

@@ -175,18 +175,21 @@ def serve_engine_sdpa() -> bool:
 #: Ring calls of the engine's layers on dattn's backend that are running in this thread (their
 #: blocks are dattn's), see _serve_ring_runner.
 _RING = threading.local()
-_RING_CLIENT = None
+_RING_CLIENTS: dict = {}
+
+#: The Ring preferences (the layer's backend name, upper case) of layers on dattn's SAGE.
+_SAGE_PREFS = ("DATTN_SAGE", "SAGE_ATTN", "SAGE_ATTN_3", "SAGE")
 
 
-def ring_client():
+def ring_client(backend: Optional[str] = None):
     """The counters of the Ring blocks dattn computed (a :class:`dattn.torch_adapter.Client`:
-    ``calls``, ``fallbacks`` by reason)."""
-    global _RING_CLIENT
-    if _RING_CLIENT is None:
+    ``calls``, ``fallbacks`` by reason); ``backend="SAGE"``: those of layers on dattn's SAGE."""
+    key = "SAGE" if backend == "SAGE" else None
+    if key not in _RING_CLIENTS:
         from .torch_adapter import Client
 
-        _RING_CLIENT = Client("vllm_omni_ring")
-    return _RING_CLIENT
+        _RING_CLIENTS[key] = Client("vllm_omni_ring" + ("_sage" if key else ""), backend=key)
+    return _RING_CLIENTS[key]
 
 
 def _serve_ring_runner() -> None:
@@ -206,17 +209,18 @@ def _serve_ring_runner() -> None:
 
     def run_attention(self, query, key, value, attn_metadata, softmax_scale=None, causal=False):
         pref = (self.attn_backend_pref or "").strip().upper()
-        if not (query.device.type == "cpu" and _on_dattn_platform() and pref in _dattn_names()):
+        ours = pref in _dattn_names() or pref in _SAGE_PREFS
+        if not (query.device.type == "cpu" and _on_dattn_platform() and ours):
             return engine_run(self, query, key, value, attn_metadata, softmax_scale, causal)
         saved = (self.attn_backend_pref, self.attn_backend_explicit)
-        depth = getattr(_RING, "depth", 0)
+        depth, backend = getattr(_RING, "depth", 0), getattr(_RING, "backend", None)
         self.attn_backend_pref, self.attn_backend_explicit = "torch_sdpa", False
-        _RING.depth = depth + 1
+        _RING.depth, _RING.backend = depth + 1, ("SAGE" if pref in _SAGE_PREFS else None)
         try:
             return engine_run(self, query, key, value, attn_metadata, softmax_scale, causal)
         finally:
             self.attn_backend_pref, self.attn_backend_explicit = saved
-            _RING.depth = depth
+            _RING.depth, _RING.backend = depth, backend
 
     run_attention.__doc__ = (
         "The engine's Ring; for a layer on dattn's backend on dattn's platform, the engine's SDPA "
@@ -249,8 +253,8 @@ def _serve_ring_kernel() -> None:
                 from . import torch_adapter as ta
 
                 causal = ta.CAUSAL_TOP_LEFT if is_causal else ta.CAUSAL_NONE
-                return ta.attention(ring_client(), query, key, value, attn_bias, causal, scale,
-                                    False, "BHSD", True)
+                return ta.attention(ring_client(getattr(_RING, "backend", None)), query, key,
+                                    value, attn_bias, causal, scale, False, "BHSD", True)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale)
             return out, lse

@@ -11,6 +11,7 @@ void register_builtin_backends(Registry& registry) {
   registry.add(make_flash_backend());
   registry.add(make_reference_backend());
   registry.add(make_video_sparse_backend());
+  registry.add(make_sage_backend());
 }
 
 }  // namespace dattn

@@ -412,9 +412,9 @@ void Layer::forward_paged(const py::dict& call, const py::handle& cache_obj) con
     for (const auto& span : call["full_attn_spans"])
       c.full_attn_spans.push_back(
           as<std::pair<i64, i64>>(span, "full_attn_spans", "(start, end) pairs"));
-  const int threads = optional_int(call, "threads", "threads").value_or(0);
+  const int threads = static_cast<int>(optional_int(call, "threads", "threads").value_or(0));
   py::gil_scoped_release release;
-  const ScopedThreads scoped(int(threads));
+  const ScopedThreads scoped{threads};
   layer_.forward_paged(c);
 }
 
@@ -572,6 +572,9 @@ PYBIND11_MODULE(_core, m) {
         d["amx_bf16"] = p.amx_bf16 ? py::cast(*p.amx_bf16) : py::none();
         d["bf16_dot_unavailable"] = p.bf16_dot ? py::none() : py::cast(p.bf16_dot_unavailable);
         d["amx_bf16_unavailable"] = p.amx_bf16 ? py::none() : py::cast(p.amx_bf16_unavailable);
+        d["int8_dot"] = p.int8_dot ? py::cast(*p.int8_dot) : py::none();
+        d["int8_dot_isa"] = py::cast(p.int8_dot_isa);
+        d["int8_dot_unavailable"] = p.int8_dot ? py::none() : py::cast(p.int8_dot_unavailable);
         d["threads"] = p.threads;
         d["isa"] = p.isa;
         return d;

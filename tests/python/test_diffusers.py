@@ -566,3 +566,38 @@ def test_private_diffusers_attributes_are_where_dattn_expects_them():
     # 5. The native backend reaches PyTorch's SDPA by attribute lookup (the tests' spy).
     assert "scaled_dot_product_attention" in \
         attention_dispatch._native_attention.__code__.co_names
+
+
+# --- SAGE: 8-bit attention end to end ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
+def test_sage_end_to_end_within_twice_bf16_flashs_error(name):
+    """A random-weight model in bf16 on dattn's SAGE: its error against the f32 model's output
+    (dattn FLASH, exact) within twice that of the same bf16 model on FLASH, the error bf16
+    inference already has. Also printed: the attention-only comparison (the f32 model on SAGE
+    against FLASH computing attention in bf16, compute_dtype bf16)."""
+    model, inputs = MODELS[name]()
+    with dd.enable(model) as exact:
+        want = run(model, inputs)
+    assert exact.calls > 0 and not exact.fallbacks
+    with dd.enable(model, backend="SAGE") as sage32:
+        sage_f32 = run(model, inputs)
+    # The bf16 dot where the CPU has none: its emulated twin (the same roundings).
+    with dd.enable(model, backend_kwargs={"compute_dtype": "bf16",
+                                          "isa": "avx512_bf16_emulated"}):
+        flash_bf16_attention = run(model, inputs)
+    model = model.to(torch.bfloat16)
+    inputs = to_dtype(inputs, torch.bfloat16)
+    with dd.enable(model) as flash16:
+        flash_bf16 = run(model, inputs)
+    with dd.enable(model, backend="SAGE") as sage16:
+        sage_bf16 = run(model, inputs)
+    for h in (sage32, sage16, flash16):
+        assert h.calls == exact.calls and not h.fallbacks, h
+    assert any("int8" in e or "vnni" in e for e in sage16.engines), sage16.engines
+    err_flash, err_sage = rel(flash_bf16, want), rel(sage_bf16, want)
+    print(f"{name}: bf16 model: SAGE {err_sage:.2e}, FLASH {err_flash:.2e} "
+          f"({err_sage / err_flash:.2f}x); f32 model: SAGE {rel(sage_f32, want):.2e}, "
+          f"FLASH with bf16 attention {rel(flash_bf16_attention, want):.2e}")
+    assert err_sage <= 2 * err_flash, (err_sage, err_flash)

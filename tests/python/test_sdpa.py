@@ -559,3 +559,26 @@ def test_patch_sends_what_dattn_cannot_serve_to_the_original(monkeypatch):
             assert_close(F.scaled_dot_product_attention(qg, k, v), torch_f64(q, k, v))
     assert len(calls) == 5
     assert getattr(F, _NAME) is original
+
+
+def test_patch_with_sage_serves_8bit_attention():
+    """patch_torch_sdpa(backend="SAGE"): PyTorch's SDPA calls on dattn's SAGE (8-bit Q.K^T),
+    counted as served, within SAGE's documented accuracy of PyTorch's math."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, 4, 150, 64, generator=torch.Generator().manual_seed(s))
+               for s in (1, 2, 3))
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).float()
+    patch = dattn.patch_torch_sdpa(backend="SAGE")
+    try:
+        got = F.scaled_dot_product_attention(q, k, v)
+        got_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        patch.undo()
+    assert patch.calls == 2 and not patch.fallbacks, patch
+    assert patch.backend_name == "SAGE"
+    want_causal = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                 is_causal=True).float()
+    for g, w in ((got, want), (got_causal, want_causal)):
+        cos = F.cosine_similarity(g.flatten(2), w.flatten(2), dim=-1)
+        assert float(cos.min()) >= 0.9995, float(cos.min())

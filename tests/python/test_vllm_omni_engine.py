@@ -708,6 +708,24 @@ def test_the_engines_sdpa_runs_on_dattns_platform(layer_engine):
     assert bare.forward(q, k, v, meta) is not None and len(calls) == 1
 
 
+def test_sage_attn_runs_on_dattns_sage(layer_engine):
+    """The engine's SAGE_ATTN (and SAGE_ATTN_3) on dattn's platform: a layer on dattn's SAGE
+    (8-bit Q.K^T), the engine's SDPA within SAGE's accuracy; the names are not refused."""
+    ns = layer_engine
+    for name in ("SAGE_ATTN", "SAGE_ATTN_3"):
+        layer, config = build_layer(ns, backend=name, heads=4, head_size=64)
+        assert type(layer.attention) is ns.adapter.DattnSageAttentionImpl, name
+        assert layer.attention.backend_name == "SAGE"
+        sdpa, sdpa_config = build_layer(ns, backend="TORCH_SDPA", heads=4, head_size=64)
+        q, k, v = rand(2, 80, 4, 64, seed=1), rand(2, 80, 4, 64, seed=2), rand(2, 80, 4, 64, seed=3)
+        got = run_layer(ns, layer, config, q, k, v)
+        want = run_layer(ns, sdpa, sdpa_config, q, k, v)
+        cos = torch.nn.functional.cosine_similarity(got.flatten(2).double(),
+                                                    want.flatten(2).double(), dim=-1)
+        assert float(cos.min()) >= 0.9995, (name, float(cos.min()))
+        assert "int8" in layer.attention.layer.last_engine or "vnni" in layer.attention.layer.last_engine
+
+
 def test_the_layer_with_joint_rows_and_masks_matches_the_engines_sdpa_without_sp(layer_engine):
     """No SP: what a model such as Qwen-Image sends, Q/K/V already [text | image] and one
     int64 [B, J + S] mask, role self; the engine's SDPA is the reference on every valid row."""

@@ -115,6 +115,9 @@ json info_json(int threads, const PeakGflops& peak) {
                       {"bf16_dot_unavailable", why(peak.bf16_dot, peak.bf16_dot_unavailable)},
                       {"amx_bf16", rate(peak.amx_bf16)},
                       {"amx_bf16_unavailable", why(peak.amx_bf16, peak.amx_bf16_unavailable)},
+                      {"int8_dot", rate(peak.int8_dot)},
+                      {"int8_dot_isa", peak.int8_dot_isa},
+                      {"int8_dot_unavailable", why(peak.int8_dot, peak.int8_dot_unavailable)},
                       {"isa", peak.isa},
                       {"threads", peak.threads},
                       {"affinity_cpus", affinity_cpus()}};
@@ -189,9 +192,10 @@ void print_text(std::ostream& os, const json& info) {
         names += (names.empty() ? "" : ", ") + e["name"].get<std::string>();
     return names;
   };
-  const std::array<std::array<const char*, 2>, 3> kinds{{{"f32_fma", "f32 FMA"},
+  const std::array<std::array<const char*, 2>, 4> kinds{{{"f32_fma", "f32 FMA"},
                                                          {"bf16_dot", "bf16 dot (vdpbf16ps)"},
-                                                         {"amx_bf16", "AMX tiles (tdpbf16ps)"}}};
+                                                         {"amx_bf16", "AMX tiles (tdpbf16ps)"},
+                                                         {"int8_dot", "int8 dot (GOP/s)"}}};
   for (std::size_t n = 0; n < kinds.size(); ++n) {
     const std::string kind = kinds[n][0];
     label(n == 0 ? "peak GFLOP/s" : "");
@@ -201,6 +205,7 @@ void print_text(std::ostream& os, const json& info) {
       os << std::fixed << std::setprecision(1) << peak[kind].get<double>() << std::defaultfloat
          << ' ' << kinds[n][1];
       if (kind == "f32_fma") os << " (" << peak["isa"].get<std::string>() << ")";
+      if (kind == "int8_dot") os << " (" << peak["int8_dot_isa"].get<std::string>() << ")";
       const std::string names = engines_of(kind);
       os << ": "
          << (names.empty()                          ? "no engine uses it yet"

@@ -266,7 +266,7 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
   for (const EngineInfo& e : flash_engines()) engines += (engines.empty() ? "" : ", ") + e.name;
   command
       .add_option("--isa", options.isa,
-                  "FLASH / VIDEO_SPARSE backend option isa: cap the engines at this one (an "
+                  "FLASH / VIDEO_SPARSE / SAGE backend option isa: cap the engines at this one (an "
                   "emulated engine by its exact name): " +
                       engines)
       ->check(CLI::Validator(
@@ -326,11 +326,16 @@ void check_engine_options(const Measurement& m, const std::string& backend) {
   if (engine.empty()) return;
   const bool isa = engine.count("isa") != 0;
   const std::string option = isa ? "--isa" : "--compute-dtype";
+  const bool sage = names_equal(backend, "SAGE");
+  if (sage && !isa)
+    throw InvalidArgument("compute_dtype",
+                          "--compute-dtype applies to FLASH and VIDEO_SPARSE; SAGE computes Q.K^T "
+                          "in int8 and P.V in its engine's bf16 or f32 (backend option pv_dtype)");
   if (!backend.empty() && !names_equal(backend, "auto") && !names_equal(backend, "FLASH") &&
-      !names_equal(backend, "VIDEO_SPARSE"))
+      !names_equal(backend, "VIDEO_SPARSE") && !sage)
     throw InvalidArgument(isa ? "isa" : "compute_dtype",
                           option +
-                              " applies to FLASH's engines (run by FLASH and VIDEO_SPARSE); "
+                              " applies to FLASH's engines (run by FLASH, VIDEO_SPARSE and SAGE); "
                               "backend " +
                               backend + " has none");
   if (const auto it = engine.find("isa"); it != engine.end())
@@ -364,7 +369,8 @@ std::string peak_kind_of_engine(const std::string& engine) {
     if (e.compute_dtype == "f32") return "f32_fma";
     if (e.name == "avx512_bf16") return "bf16_dot";
     if (e.name == "amx") return "amx_bf16";
-    return {};  // an engine whose peak is not measured
+    if (e.compute_dtype == "int8") return "int8_dot";  // SAGE's: Q.K^T's rate (P.V runs below it)
+    return {};                                         // an engine whose peak is not measured
   }
   return {};
 }
@@ -373,6 +379,7 @@ std::optional<double> peak_of_kind(const PeakGflops& peak, const std::string& ki
   if (kind == "f32_fma") return peak.f32_fma;
   if (kind == "bf16_dot") return peak.bf16_dot;
   if (kind == "amx_bf16") return peak.amx_bf16;
+  if (kind == "int8_dot") return peak.int8_dot;
   return std::nullopt;
 }
 

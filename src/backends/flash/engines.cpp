@@ -1,5 +1,6 @@
 #include "backends/flash/engines.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <string>
@@ -43,10 +44,31 @@ std::optional<std::string> needs_amx() {
   return detail::amx_unavailable();
 }
 
-constexpr std::array<Engine, 7> kEngines{{
+std::optional<std::string> needs_avx_vnni() {
+  if (needs_avx2()) return needs_avx2();
+  if (cpu_features().avx_vnni) return std::nullopt;
+  return std::string("this CPU lacks AVX-VNNI (vpdpbusd on 256-bit registers)");
+}
+
+std::optional<std::string> needs_avx512_vnni() {
+  if (needs_avx512()) return needs_avx512();
+  if (cpu_features().avx512_vnni) return std::nullopt;
+  return std::string("this CPU lacks AVX512-VNNI (vpdpbusd)");
+}
+
+// Ladder order (ranks ascending; within a rank, the preferred engine last, emulated twins
+// right after their real ones). FLASH runs the f32 and bf16 engines, SAGE the int8 ones.
+constexpr std::array<Engine, 14> kEngines{{
     {"portable", 0, ComputeDtype::f32, false, &always, &portable_kernels},
+    {"portable_int8", 0, ComputeDtype::int8, false, &always, &portable_int8_kernels},
     {"avx2", 1, ComputeDtype::f32, false, &needs_avx2, &avx2_kernels},
+    {"avx2_int8", 1, ComputeDtype::int8, false, &needs_avx2, &avx2_int8_kernels},
+    {"avx2_int8_emulated", 1, ComputeDtype::int8, true, &always, &avx2_int8_emulated_kernels},
     {"avx512", 2, ComputeDtype::f32, false, &needs_avx512, &avx512_kernels},
+    {"avx_vnni", 2, ComputeDtype::int8, false, &needs_avx_vnni, &avx_vnni_kernels},
+    {"avx_vnni_emulated", 2, ComputeDtype::int8, true, &always, &avx_vnni_emulated_kernels},
+    {"avx512_vnni", 2, ComputeDtype::int8, false, &needs_avx512_vnni, &avx512_vnni_kernels},
+    {"avx512_vnni_emulated", 2, ComputeDtype::int8, true, &always, &avx512_vnni_emulated_kernels},
     {"avx512_bf16", 3, ComputeDtype::bf16, false, &needs_avx512_bf16, &avx512_bf16_kernels},
     {"avx512_bf16_emulated", 3, ComputeDtype::bf16, true, &always, &avx512_bf16_emulated_kernels},
     {"amx", 4, ComputeDtype::bf16, false, &needs_amx, &amx_kernels},
@@ -62,7 +84,15 @@ std::string valid_names() {
 }  // namespace
 
 std::string_view compute_dtype_name(ComputeDtype c) {
-  return c == ComputeDtype::bf16 ? "bf16" : "f32";
+  switch (c) {
+    case ComputeDtype::bf16:
+      return "bf16";
+    case ComputeDtype::int8:
+      return "int8";
+    case ComputeDtype::f32:
+      break;
+  }
+  return "f32";
 }
 
 std::span<const Engine> engines() {
@@ -151,6 +181,19 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options) {
 }
 
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute) {
+  if (compute == ComputeDtype::int8) {
+    for (auto it = kEngines.rbegin(); it != kEngines.rend(); ++it) {
+      const Engine& e = *it;
+      if (e.compute != ComputeDtype::int8) continue;
+      if (cap != nullptr && e.rank > cap->rank) continue;
+      if (e.emulated && &e != cap) continue;
+      if (cap != nullptr && cap->emulated && &e != cap && e.rank == cap->rank) continue;
+      if (!e.available()) continue;
+      return e;
+    }
+    return *std::find_if(kEngines.begin(), kEngines.end(),
+                         [](const Engine& e) { return e.name == "portable_int8"; });
+  }
   const bool bf16_ok = input == DType::BF16 || compute == ComputeDtype::bf16;
   // Highest rank first; an emulated cap stands in for the real engines of its rank.
   for (auto it = kEngines.rbegin(); it != kEngines.rend(); ++it) {
@@ -158,6 +201,7 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
     if (cap != nullptr && e.rank > cap->rank) continue;
     if (e.emulated && &e != cap) continue;
     if (cap != nullptr && cap->emulated && &e != cap && e.rank == cap->rank) continue;
+    if (e.compute == ComputeDtype::int8) continue;  // SAGE's
     if (e.compute == ComputeDtype::bf16 && !bf16_ok) continue;
     if (!e.available()) continue;
     // vdpbf16ps is chosen by itself only where it measurably outruns f32 FMAs (on Intel's AMX
@@ -166,6 +210,41 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
     return e;
   }
   return kEngines[0];
+}
+
+PvDtype parse_pv_dtype(const BackendOptions& options) {
+  const auto it = options.find("pv_dtype");
+  if (it == options.end()) return PvDtype::automatic;
+  const auto* name = std::get_if<std::string>(&it->second);
+  if (name != nullptr && names_equal(*name, "auto")) return PvDtype::automatic;
+  if (name != nullptr && (names_equal(*name, "f32") || names_equal(*name, "float32")))
+    return PvDtype::f32;
+  if (name != nullptr && (names_equal(*name, "bf16") || names_equal(*name, "bfloat16")))
+    return PvDtype::bf16;
+  throw InvalidArgument("pv_dtype",
+                        "backend option pv_dtype = " +
+                            (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
+                            " is not valid; valid: auto (the default: bf16 where the engine has "
+                            "a bf16 P.V on this CPU, else f32), bf16, f32");
+}
+
+const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {
+  const bool vnni512 = e.kernels == &avx512_vnni_kernels;
+  const bool vnni512_twin = e.kernels == &avx512_vnni_emulated_kernels;
+  if (pv == PvDtype::f32) {
+    if (vnni512) return avx512_vnni_f32_pv_kernels();
+    if (vnni512_twin) return avx512_vnni_emulated_f32_pv_kernels();
+    return e.kernels();
+  }
+  if (pv == PvDtype::bf16) {
+    const bool has_bf16 = vnni512_twin || (vnni512 && cpu_features().avx512_bf16);
+    if (!has_bf16)
+      throw NotAvailable("pv_dtype",
+                         "pv_dtype = bf16: the SAGE engine " + std::string(e.name) +
+                             " has no bf16 P.V on this CPU (avx512_vnni with AVX512-BF16, or "
+                             "its emulated twin, has one); use pv_dtype auto or f32");
+  }
+  return e.kernels();
 }
 
 bool bf16_dot_outruns_fma() {

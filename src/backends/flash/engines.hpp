@@ -3,9 +3,11 @@
 // backend option, `dattn info` (through dattn/engines.hpp) and the tests all read it; a new
 // engine is one row here plus its kernel source file (named once in CMakeLists.txt).
 //
-// The ladder: amx > avx512_bf16 > avx512 > avx2 > portable. DATTN_ISA or the isa option name a
-// cap on it (or an emulated twin, by exact name, which then stands in for its real twin); each
-// call runs on the fastest engine at or below the cap that serves its input dtype and
+// The ladder: amx > avx512_bf16 > avx512 > avx2 > portable. The SAGE engines (compute int8) sit
+// on the same ladder: avx512_vnni and avx_vnni at avx512's rank, avx2_int8 at avx2's,
+// portable_int8 at portable's; FLASH never picks them, SAGE picks only them. DATTN_ISA or the isa
+// option name a cap on it (or an emulated twin, by exact name, which then stands in for its real
+// twin); each call runs on the fastest engine at or below the cap that serves its input dtype and
 // compute_dtype (select_engine).
 #pragma once
 
@@ -22,8 +24,10 @@
 namespace dattn::flash {
 
 // What the dot products of Q.K^T and P.V are computed in. f32 is exact to the inputs' precision
-// (f32, bf16 and f16 inputs); bf16 rounds the operands to bf16 and accumulates in f32.
-enum class ComputeDtype { f32, bf16 };
+// (f32, bf16 and f16 inputs); bf16 rounds the operands to bf16 and accumulates in f32; int8 (the
+// SAGE engines, never FLASH's) quantizes Q and K to int8 codes with f32 scales (integer dot
+// products) and computes P.V on the engine's base (bf16 or f32).
+enum class ComputeDtype { f32, bf16, int8 };
 
 std::string_view compute_dtype_name(ComputeDtype c);
 
@@ -68,7 +72,16 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options);
 // cap itself. With no cap, bf16 engines serve only calls whose operands are all bf16 (or
 // compute_dtype bf16): amx wherever it is available, avx512_bf16 only where
 // bf16_dot_outruns_fma().
+// compute int8 (SAGE): the highest-ranked available int8 engine at or below the cap.
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute);
+
+// What a SAGE engine computes P.V in (backend option pv_dtype): auto (bf16 where the engine has
+// a bf16 base on this CPU, else f32), bf16, f32. InvalidArgument naming pv_dtype otherwise.
+enum class PvDtype { automatic, bf16, f32 };
+PvDtype parse_pv_dtype(const BackendOptions& options);
+// The kernels of int8 engine `e` with P.V in `pv`; NotAvailable naming pv_dtype where the engine
+// has no bf16 P.V on this CPU.
+const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv);
 
 // True when this CPU's measured vdpbf16ps rate is at least 1.5x its f32 FMA rate (both in
 // flops; detail::bf16_dot_to_fma_ratio, interleaved trials on one thread). Measured once per

@@ -66,6 +66,10 @@ struct MergeGroup {
   i64 splits;
 };
 
+// SAGE's smoothing per panel group: d floats each of the mean key, the channel balance and the
+// mean query (Worker::smoothing).
+constexpr std::size_t kSmoothFloats = 3;
+
 struct PaddingRows {
   i64 batch, i0, i1;
 };
@@ -99,8 +103,8 @@ detail::WorkspacePool<detail::HugePageBuffer>& panel_pool() {
 
 class FlashPlan final : public Plan {
  public:
-  FlashPlan(std::uint64_t signature, const Engine& engine)
-      : Plan(signature), chosen(engine), kernels(engine.kernels()) {}
+  FlashPlan(std::uint64_t signature, const Engine& engine, const TileKernels& engine_kernels)
+      : Plan(signature), chosen(engine), kernels(engine_kernels) {}
 
   std::string to_string() const override {
     std::ostringstream os;
@@ -115,6 +119,10 @@ class FlashPlan final : public Plan {
     if (!merges.empty())
       os << ", split-KV: " << merges.size() << " query blocks x " << merges[0].splits
          << " key ranges";
+    if (chosen.compute == ComputeDtype::int8)
+      os << ", Q and K as int8 per row and key" << (smooth_k ? ", K smoothed" : "")
+         << (balance_qk ? ", channels balanced" : "") << ", P.V on "
+         << (kernels.pv == nullptr ? "?" : std::string(kernels.engine));
     return os.str();
   }
 
@@ -126,6 +134,10 @@ class FlashPlan final : public Plan {
 
   const Engine& chosen;
   const TileKernels& kernels;
+  // SAGE: each (segment, KV head)'s mean key is subtracted before K is quantized (softmax
+  // ignores it; the LSE gets it back), docs/semantics.md "SAGE".
+  bool smooth_k = false;
+  bool balance_qk = false;  // and each channel balanced between Q and K (SmoothQuant)
   RowBlock block{1, 1};
   i64 dv_padded = 0;
   int threads = 1;
@@ -219,15 +231,18 @@ class Worker {
   // `quantized`: K and V (and the joint ones) of `p` are int8/fp8 codes of a dense call with
   // kv_cache_dtype fp8/int8, scaled per (batch, 64-token block, head): {k, v, joint k, joint v}.
   // `partials`: this run's split-KV partial slots (plan.partial_floats floats), if any.
+  // `smoothing`: with plan.smooth_k, per panel group its mean key and its channel balance
+  // (SmoothingFloats: 2 d floats per group).
   Worker(const AttentionProblem& p, const FlashPlan& plan,
          const std::array<const detail::QuantizedKv*, 4>* quantized = nullptr,
-         float* partials = nullptr, unsigned char* panel = nullptr)
+         float* partials = nullptr, unsigned char* panel = nullptr, float* smoothing = nullptr)
       : p_(p),
         plan_(plan),
         kk_(plan.kernels),
         quantized_(quantized),
         partials_(partials),
-        panel_(panel) {
+        panel_(panel),
+        smooth_(smoothing) {
     // laser_input_scale f: (q / f)(k / f)(scale f^2) = q k scale and (v / f) f = v, exactly
     // for powers of two; in f32 nothing overflows, so the factor cancels out here.
     qscale_ = static_cast<float>(p.softmax_scale);
@@ -256,8 +271,90 @@ class Worker {
                                      plan_.workspace_bytes, kk_.attend == nullptr);
     convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, s.ld_k, ahead);
     convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
+    float bias[kBlockKeys];
+    if (smooth_ != nullptr) {  // (k - mean) * balance, and each key's share of the mean query
+      const float* mean = smooth_ + g * kSmoothFloats * std::size_t(d);
+      const float* balance = mean + d;
+      const float* q_mean = mean + 2 * d;
+      for (i64 jj = 0; jj < n; ++jj) {
+        double dot = 0;
+        for (i64 e = 0; e < d; ++e) {
+          const float centred = s.k[jj * s.ld_k + e] - mean[e];
+          dot += double(q_mean[e]) * centred;
+          s.k[jj * s.ld_k + e] = centred * balance[e];
+        }
+        bias[jj] = float(double(qscale_) * dot);
+      }
+    }
     kk_.pack_k(s.k, s.ld_k, int(n), int(d), at);
+    if (smooth_ != nullptr && kk_.set_key_bias != nullptr) kk_.set_key_bias(at, bias, int(n));
     kk_.pack_v(s.v, s.ld_v, int(n), int(dvp), at + plan_.k_tile_bytes);
+  }
+
+  // SAGE's smoothing of panel group g (docs/semantics.md, "SAGE"), into smooth_ + 3 d g:
+  // - the mean key mk, subtracted from every key (softmax ignores a shift shared by a row's
+  //   logits; the row's LSE gets q . mk back);
+  // - with plan.balance_qk each channel's balance b_e = sqrt(std(q_e) / std(k_e)) over the
+  //   group's queries and keys (keys multiplied by b_e, queries divided: the logits are
+  //   unchanged, the two operands' channels share the int8 range as SmoothQuant shares them),
+  //   else 1;
+  // - the mean query mq, subtracted from every query (SageAttention2's Q smoothing): each
+  //   key's exact share mq . (k - mk) is added to its logits in f32 (TileKernels::set_key_bias).
+  // Accumulated in f64. A key that is not finite turns all three off (the mean would spread it
+  // over every key: the rows that see it show it, as unsmoothed), a query that is not finite
+  // the balance and the mean query.
+  void smoothing(std::size_t g, const ThreadBuffers& buffers) const {
+    const PanelGroup& group = plan_.groups[g];
+    const Segment& seg = p_.segments[group.segment];
+    const i64 d = p_.d;
+    float* mean = smooth_ + g * kSmoothFloats * std::size_t(d);
+    float* balance = mean + d;
+    float* q_mean = mean + 2 * d;
+    thread_local std::vector<double> sum, squares, q_sum, q_squares;
+    sum.assign(std::size_t(d), 0.0);
+    squares.assign(std::size_t(d), 0.0);
+    q_sum.assign(std::size_t(d), 0.0);
+    q_squares.assign(std::size_t(d), 0.0);
+    float* row = buffers.floats;  // scratch of at least d floats
+    bool finite = true;
+    for (i64 j = seg.k_begin; j < seg.k_end && finite; ++j) {
+      const auto [t, at, scale] = kv_row(false, group.segment, seg.batch, j, group.hk);
+      load_elements(*t, at, d, scale, row);
+      for (i64 e = 0; e < d; ++e) {
+        finite = finite && std::isfinite(row[e]);
+        sum[std::size_t(e)] += row[e];
+        squares[std::size_t(e)] += double(row[e]) * row[e];
+      }
+    }
+    const double n = double(std::max<i64>(seg.k_end - seg.k_begin, 1));
+    for (i64 e = 0; e < d; ++e) mean[e] = finite ? float(sum[std::size_t(e)] / n) : 0.0f;
+    std::fill(balance, balance + d, 1.0f);
+    std::fill(q_mean, q_mean + d, 0.0f);
+    if (!finite) return;
+    const i64 group_heads = p_.group_size();
+    i64 q_rows = 0;
+    for (i64 h = group.hk * group_heads; h < (group.hk + 1) * group_heads && finite; ++h)
+      for (i64 i = seg.q_begin; i < seg.q_end && finite; ++i, ++q_rows) {
+        const RowRef qr = p_.q_row(i);
+        const TensorView& q = *qr.view;
+        load_elements(q, seg.batch * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, 1.0f,
+                      row);
+        for (i64 e = 0; e < d; ++e) {
+          finite = finite && std::isfinite(row[e]);
+          q_sum[std::size_t(e)] += row[e];
+          q_squares[std::size_t(e)] += double(row[e]) * row[e];
+        }
+      }
+    if (!finite || q_rows == 0) return;
+    for (i64 e = 0; e < d; ++e) {
+      const double m = sum[std::size_t(e)] / n, qm = q_sum[std::size_t(e)] / double(q_rows);
+      q_mean[e] = float(qm);
+      if (!plan_.balance_qk) continue;
+      const double k_var = std::max(squares[std::size_t(e)] / n - m * m, 0.0);
+      const double q_var = std::max(q_squares[std::size_t(e)] / double(q_rows) - qm * qm, 0.0);
+      const double b = std::sqrt(std::sqrt(q_var) / std::sqrt(k_var));
+      if (std::isfinite(b) && b > 0x1p-20 && b < 0x1p20) balance[e] = float(b);
+    }
   }
 
   void process(const WorkItem& w, const ThreadBuffers& buffers) const {
@@ -292,6 +389,13 @@ class Worker {
 
     // Engines with their own operand formats scale the logits after the dot products.
     pack_queries(w, s, b, rows, kk_.pack_q != nullptr ? 1.0f : qscale_);
+    if (smooth_ != nullptr) {  // (q - q_mean) / balance (smoothing())
+      const float* balance = smooth_ + w.group * kSmoothFloats * std::size_t(d) + d;
+      const float* q_mean = balance + d;
+      for (i64 e = 0; e < d; ++e)
+        for (i64 r = 0; r < rows; ++r)
+          s.qt[e * s.ld_rows + r] = (s.qt[e * s.ld_rows + r] - q_mean[e]) / balance[e];
+    }
     if (kk_.pack_q != nullptr)
       kk_.pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), qscale_, s.ws);
     std::fill(s.m, s.m + rows_p, kNegInf);
@@ -306,6 +410,22 @@ class Worker {
                           s.m,    s.l,      s.alpha,    int(rows),  int(rows_p),
                           int(d), int(dvp), plan_.ld_k, plan_.ld_v, s.ws};
     attend(kk_, keys, state);
+    // Smoothed keys moved every logit of row r by -scale q_r . mean: the output is the same,
+    // the row's reference (hence its LSE) gets it back (q_r / balance . mean * balance).
+    if (smooth_ != nullptr) {
+      const float* mean = smooth_ + w.group * kSmoothFloats * std::size_t(d);
+      const float* balance = mean + d;
+      const float* q_mean = mean + 2 * d;
+      double shared = 0;  // q_mean . mean
+      for (i64 e = 0; e < d; ++e) shared += double(q_mean[e]) * mean[e];
+      for (i64 r = 0; r < rows; ++r) {
+        if (!std::isfinite(s.m[r])) continue;
+        double dot = shared;  // q . mean = (q - q_mean) / balance . mean * balance + shared
+        for (i64 e = 0; e < d; ++e)
+          dot += double(s.qt[e * s.ld_rows + r]) * (double(mean[e]) * balance[e]);
+        s.m[r] = float(double(s.m[r]) + double(qscale_) * dot);
+      }
+    }
 
     if (w.partial >= 0) {
       float* slot = partials_ + w.partial * plan_.partial_rows * (p_.dv + 2);
@@ -541,19 +661,43 @@ class Worker {
   const std::array<const detail::QuantizedKv*, 4>* quantized_;
   float* partials_;
   unsigned char* panel_;  // this wave's K/V panels
+  float* smooth_;         // SAGE's smoothing (smoothing()), else nullptr
   float qscale_ = 1;
 };
 
 class FlashImpl final : public Impl {
  public:
-  FlashImpl(const Backend& backend, const ImplConfig& config) : Impl(backend, config) {
+  // `sage`: the SAGE backend (int8 engines; options pv_dtype and smooth_k).
+  FlashImpl(const Backend& backend, const ImplConfig& config, bool sage = false)
+      : Impl(backend, config) {
     cap_ = options_cap(config.backend_kwargs);
-    compute_ = parse_compute_dtype(config.backend_kwargs);
+    if (sage) {
+      compute_ = ComputeDtype::int8;
+      pv_ = parse_pv_dtype(config.backend_kwargs);
+      smooth_k_ = parse_bool(config.backend_kwargs, "smooth_k");
+      balance_qk_ = parse_bool(config.backend_kwargs, "balance_qk");
+      // Checked now, so that a pv_dtype this CPU's engine lacks is refused when the layer is
+      // built.
+      (void)int8_engine_kernels(select_engine(cap_, DType::F32, compute_), pv_);
+    } else {
+      compute_ = parse_compute_dtype(config.backend_kwargs);
+    }
+  }
+
+  static bool parse_bool(const BackendOptions& options, const std::string& name) {
+    const auto it = options.find(name);
+    if (it == options.end()) return true;
+    if (const auto* b = std::get_if<bool>(&it->second)) return *b;
+    throw InvalidArgument(name, "backend option " + name + " must be a bool (default true)");
   }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
-    auto plan =
-        std::make_unique<FlashPlan>(p.signature, select_engine(cap_, operand_dtype(p), compute_));
+    const Engine& engine = select_engine(cap_, operand_dtype(p), compute_);
+    auto plan = std::make_unique<FlashPlan>(
+        p.signature, engine,
+        compute_ == ComputeDtype::int8 ? int8_engine_kernels(engine, pv_) : engine.kernels());
+    plan->smooth_k = compute_ == ComputeDtype::int8 && smooth_k_;
+    plan->balance_qk = plan->smooth_k && balance_qk_;
     const i64 group = p.group_size();
     plan->block = row_block(group, item_rows(plan->kernels, cpu_features().l2_bytes));
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
@@ -738,7 +882,10 @@ class FlashImpl final : public Impl {
     const auto panel_lease = panel_pool().acquire();
     auto* panel = reinterpret_cast<unsigned char*>(
         panel_lease->get((plan.panel_buffer_bytes + sizeof(float) - 1) / sizeof(float)));
-    const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr, panel);
+    std::vector<float> smoothing(
+        plan.smooth_k ? plan.groups.size() * kSmoothFloats * std::size_t(p.d) : 0);
+    const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr, panel,
+                        plan.smooth_k ? smoothing.data() : nullptr);
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
     const auto count = static_cast<i64>(std::max(plan.items.size(), plan.panel_tiles.size()));
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
@@ -754,6 +901,12 @@ class FlashImpl final : public Impl {
         buffers = thread_buffers(plan.scratch_floats,
                                  std::size_t(plan.block.heads * plan.block.rows_per_head));
       });
+      if (plan.smooth_k) {
+        const auto groups = static_cast<i64>(plan.groups.size());
+#pragma omp for schedule(dynamic, 1)
+        for (i64 g = 0; g < groups; ++g)
+          fault.run([&] { worker.smoothing(std::size_t(g), buffers); });
+      }
       const bool tiles = kk.thread_begin != nullptr && !fault.failed();
       if (tiles) kk.thread_begin();
       for (const Wave& wave : plan.waves) {
@@ -777,6 +930,9 @@ class FlashImpl final : public Impl {
 
   const Engine* cap_ = nullptr;  // nullptr: automatic
   ComputeDtype compute_ = ComputeDtype::f32;
+  PvDtype pv_ = PvDtype::automatic;  // SAGE's
+  bool smooth_k_ = true;             // SAGE's
+  bool balance_qk_ = true;           // SAGE's (with smooth_k)
 };
 
 BackendCapabilities flash_capabilities() {
@@ -810,11 +966,43 @@ class FlashBackend final : public Backend {
   }
 };
 
+// SAGE: FLASH's driver on the 8-bit Q.K^T engines (SageAttention's scheme on the CPU);
+// approximate, so chosen only explicitly.
+class SageBackend final : public Backend {
+ public:
+  SageBackend() : Backend(sage_capabilities()) {}
+  static BackendCapabilities sage_capabilities() {
+    BackendCapabilities c = flash_capabilities();
+    c.exact = false;
+    return c;
+  }
+  std::string name() const override { return "SAGE"; }
+  std::string description() const override {
+    const Engine& e = select_engine(process_cap(), DType::F32, ComputeDtype::int8);
+    return "8-bit attention (SageAttention on the CPU): Q and K as int8 per row and key with K "
+           "smoothed, P.V in bf16 or f32, on FLASH's driver (" +
+           std::string(int8_engine_kernels(e, PvDtype::automatic).engine) +
+           "); approximate, chosen only explicitly";
+  }
+  int priority() const override { return 5; }
+  void validate_configuration() const override { (void)process_cap(); }
+  void validate_available() const override { (void)process_cap(); }
+  std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
+    return std::make_unique<FlashImpl>(*this, config, true);
+  }
+};
+
+static_assert(kInt8StridePad == kStridePad, "int8 V tiles keep the f32 engines' row padding");
+
 }  // namespace
 }  // namespace flash
 
 std::shared_ptr<const Backend> make_flash_backend() {
   return std::make_shared<flash::FlashBackend>();
+}
+
+std::shared_ptr<const Backend> make_sage_backend() {
+  return std::make_shared<flash::SageBackend>();
 }
 
 }  // namespace dattn

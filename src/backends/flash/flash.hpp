@@ -14,5 +14,7 @@
 namespace dattn {
 
 std::shared_ptr<const Backend> make_flash_backend();
+// SAGE: FLASH's driver on the 8-bit Q.K^T engines (approximate, chosen only explicitly).
+std::shared_ptr<const Backend> make_sage_backend();
 
 }  // namespace dattn

@@ -132,6 +132,9 @@ struct TileKernels {
   std::size_t (*v_tile_bytes)(int dv) = nullptr;
   void (*pack_k)(const float* k, std::int64_t ld, int keys, int d, void* tile) = nullptr;
   void (*pack_v)(const float* v, std::int64_t ld, int keys, int dv, void* tile) = nullptr;
+  // The int8 engines' per-key logit terms: bias[j] (natural units) added to every logit of key j
+  // of a packed K tile (SAGE's query smoothing); nullptr for the others.
+  void (*set_key_bias)(void* tile, const float* bias, int keys) = nullptr;
   // Per-thread set-up before a thread's first qk/pv of a run and tear-down after its last
   // (AMX: load the tile configuration / release the tiles); nullptr when not needed.
   void (*thread_begin)() = nullptr;
@@ -233,6 +236,27 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
   return k;
 }
 
+// The parts of a TileKernels an 8-bit Q.K^T engine supplies (cpu/int8_impl.hpp): its qk and
+// formats for Q and K; P.V, the softmax and the row conversions are its base engine's, whose
+// workspace and V format it carries.
+struct Int8Functions {
+  decltype(TileKernels::qk) qk;
+  decltype(TileKernels::pv) pv;
+  decltype(TileKernels::workspace_bytes) workspace_bytes;
+  decltype(TileKernels::pack_q) pack_q;
+  decltype(TileKernels::k_tile_bytes) k_tile_bytes;
+  decltype(TileKernels::v_tile_bytes) v_tile_bytes;
+  decltype(TileKernels::pack_k) pack_k;
+  decltype(TileKernels::pack_v) pack_v;
+  decltype(TileKernels::set_key_bias) set_key_bias;
+  int align;  // query rows per qk micro-tile
+};
+// The f32 engines' padding of V rows in scratch and panels (tile_io.hpp's kStridePad), which an
+// 8-bit engine on an f32 base keeps in its V tiles.
+inline constexpr std::int64_t kInt8StridePad = 16;
+TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
+                              const Int8Functions& f);
+
 const TileKernels& portable_kernels();
 const TileKernels& avx2_kernels();
 const TileKernels& avx512_kernels();
@@ -240,6 +264,20 @@ const TileKernels& avx512_kernels();
 // same layouts, the same order of operations).
 const TileKernels& avx512_bf16_kernels();
 const TileKernels& avx512_bf16_emulated_kernels();
+// The SAGE engines (8-bit Q.K^T, cpu/int8_impl.hpp): 16-bit lanes with vpmaddwd on AVX2, its
+// portable C++ twin, and vpdpbusd on 256-bit (AVX-VNNI) and 512-bit (AVX512-VNNI) registers,
+// each with a portable twin computing the same integers in the same layouts. P.V: f32 on the
+// AVX2/portable bases; avx512_vnni's on vdpbf16ps where the CPU has AVX512-BF16 (its twin on
+// the emulated bf16 dot), f32 AVX-512 otherwise or with pv_dtype f32.
+const TileKernels& portable_int8_kernels();
+const TileKernels& avx2_int8_kernels();
+const TileKernels& avx2_int8_emulated_kernels();
+const TileKernels& avx_vnni_kernels();
+const TileKernels& avx_vnni_emulated_kernels();
+const TileKernels& avx512_vnni_kernels();  // P.V in bf16 where the CPU can, else f32
+const TileKernels& avx512_vnni_f32_pv_kernels();
+const TileKernels& avx512_vnni_emulated_kernels();  // P.V on the emulated bf16 dot
+const TileKernels& avx512_vnni_emulated_f32_pv_kernels();
 // AMX tiles (tdpbf16ps: bf16 pair products accumulated in f32), and the twin that emulates the
 // tile registers and instructions in portable C++ (the same layouts, blocking and order).
 const TileKernels& amx_kernels();

@@ -33,6 +33,7 @@
 #include "core/parallel_fault.hpp"
 #include "core/workspace_pool.hpp"
 #include "dattn/errors.hpp"
+#include "dattn/registry.hpp"
 #include "dattn/video_sparse.hpp"
 
 namespace dattn {
@@ -474,6 +475,23 @@ class VideoSparseImpl final : public Impl {
         cap_(flash::options_cap(config.backend_kwargs)),
         compute_(flash::parse_compute_dtype(config.backend_kwargs)) {
     (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
+    // qk_dtype int8: the selected blocks on SAGE's engines (8-bit Q.K^T, P.V by pv_dtype; no
+    // K smoothing: that is SAGE's driver's).
+    if (const auto it = config.backend_kwargs.find("qk_dtype"); it != config.backend_kwargs.end()) {
+      const auto* name = std::get_if<std::string>(&it->second);
+      if (name != nullptr && names_equal(*name, "int8")) {
+        compute_ = flash::ComputeDtype::int8;
+        pv_ = flash::parse_pv_dtype(config.backend_kwargs);
+        (void)flash::int8_engine_kernels(
+            flash::select_engine(cap_, DType::F32, flash::ComputeDtype::int8), pv_);
+      } else if (name == nullptr || !names_equal(*name, "auto")) {
+        throw InvalidArgument(
+            "qk_dtype", "backend option qk_dtype = " +
+                            (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
+                            " is not valid; valid: auto (compute_dtype's), int8 (SAGE's "
+                            "8-bit Q.K^T engines)");
+      }
+    }
   }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
@@ -488,7 +506,9 @@ class VideoSparseImpl final : public Impl {
     // FLASH's engines, chosen the same way (the isa option or DATTN_ISA, compute_dtype, the
     // operands' dtype).
     const flash::Engine& engine = flash::select_engine(cap_, flash::operand_dtype(p), compute_);
-    auto plan = std::make_unique<SparsePlan>(p.signature, engine.kernels());
+    auto plan = std::make_unique<SparsePlan>(
+        p.signature, compute_ == flash::ComputeDtype::int8 ? flash::int8_engine_kernels(engine, pv_)
+                                                           : engine.kernels());
     const TileKernels& kk = plan->kernels;
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), kk.col_align);
     plan->ld_k = round_up(p.d, 16) + kStridePad;
@@ -654,6 +674,7 @@ class VideoSparseImpl final : public Impl {
   // The f32 engine at or below DATTN_ISA's cap (VIDEO_SPARSE's tiles use no engine workspace).
   const flash::Engine* cap_;  // nullptr: automatic
   flash::ComputeDtype compute_;
+  flash::PvDtype pv_ = flash::PvDtype::automatic;
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
   mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call

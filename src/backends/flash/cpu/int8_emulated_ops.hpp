@@ -1,0 +1,48 @@
+// The integer dot of the SAGE engines in portable C++, lane by lane, as the instructions compute
+// it (int8_impl.hpp's `I`): G = 2 is vpmaddwd + vpaddd (two int16 products summed exactly, then
+// added modulo 2^32), G = 4 is vpdpbusd (four unsigned-by-signed byte products added modulo
+// 2^32). Integers are exact, so a twin's logits equal its real engine's bit for bit; the
+// conversion and the two scale multiplies are the same f32 operations in the same order.
+// Include only from an engine file, inside its namespace, after int8_impl.hpp's headers.
+
+template <int Lanes, int Group, bool OffsetQ, int Keys>
+struct EmulatedInt8Ops {
+  static constexpr int W = Lanes, G = Group, kKeys = Keys;
+  static constexpr bool kOffsetQ = OffsetQ;
+  struct ireg {
+    std::uint32_t lane[W];
+  };
+  static ireg zero() { return ireg{}; }
+  static ireg load(const std::uint32_t* p) {
+    ireg r;
+    for (int i = 0; i < W; ++i) r.lane[i] = p[i];
+    return r;
+  }
+  static std::uint32_t group_dot(std::uint32_t q, std::uint32_t k) {
+    if constexpr (G == 2) {
+      const auto lo = [](std::uint32_t x) { return std::int32_t(std::int16_t(x & 0xffffu)); };
+      const auto hi = [](std::uint32_t x) { return std::int32_t(std::int16_t(x >> 16)); };
+      return std::uint32_t(lo(q) * lo(k) + hi(q) * hi(k));
+    } else {
+      std::uint32_t sum = 0;
+      for (int t = 0; t < 4; ++t) {
+        const std::int32_t u = std::int32_t((q >> (8 * t)) & 0xffu);
+        const std::int32_t s = std::int32_t(std::int8_t((k >> (8 * t)) & 0xffu));
+        sum += std::uint32_t(u * s);
+      }
+      return sum;
+    }
+  }
+  static ireg dot(ireg acc, const ireg& q, std::uint32_t k) {
+    for (int i = 0; i < W; ++i) acc.lane[i] += group_dot(q.lane[i], k);
+    return acc;
+  }
+  static void logits(float* st, const ireg& acc, std::int32_t corr, const float* qs, float ks,
+                     float kb) {
+    for (int i = 0; i < W; ++i) {
+      const auto n = static_cast<std::int32_t>(acc.lane[i] - std::uint32_t(corr));
+      const float x = std::fma(static_cast<float>(n) * qs[i], ks, kb);
+      st[i] = x * 0.0f + x;  // NaN where not finite
+    }
+  }
+};

@@ -1,0 +1,293 @@
+// The 8-bit Q.K^T kernels of the SAGE engines (SageAttention's scheme on the CPU: Q and K as
+// int8 codes with f32 scales, integer dot products, P.V on the engine's 16-bit or f32 base),
+// written once over an integer-dot type `I`, instantiated by kernels_int8_avx2.cpp (avx2_int8,
+// avx_vnni), kernels_int8_avx512.cpp (avx512_vnni) and kernels_int8_emulated.cpp (portable
+// C++: portable_int8 and the emulated twins). Include only from there, after the standard
+// headers, inside a per-engine namespace and the file's target region.
+//
+// Codes and scales. Each query row and each key is quantized symmetrically on its own (finer
+// than SageAttention's per-block scales, at no cost here: every logit is multiplied by its two
+// scales anyway): scale = max|x| / 127, code = round(x / scale) in [-127, 127]. A row or key
+// with an element that is not finite gets scale NaN (its logits are NaN, as qk's contract
+// asks); an all-zero one (or one so small that 127 / max|x| overflows) gets scale 0 and codes
+// 0. The softmax scale is folded into the query scales.
+//
+// I provides: W (int32 lanes per register), G (codes per 32-bit group: 2 = two int16 for
+// vpmaddwd, 4 = four bytes for vpdpbusd), kOffsetQ (query codes stored as q + 128 in unsigned
+// bytes, as vpdpbusd multiplies unsigned by signed bytes; the dot then carries 128 * sum(k),
+// which the key's code sum removes), ireg, zero(), load(p) (W groups), dot(acc, q, k) (for
+// every lane: acc += the G products of the lane's group of q and the group k broadcast),
+// logits(st, acc, corr, qs, ks, kb) (st[i] = fma(float(acc[i] - corr) * qs[i], ks, kb), then
+// NaN where not finite; one fused multiply-add, so that every engine rounds alike).
+//
+// Layouts (a group is one uint32 of G codes over consecutive elements of d, the lowest first;
+// missing elements are code 0, stored 128 for offset queries):
+//   K tile (panel)  [kTileKeys] f32 scales | [kTileKeys] int32 code sums | [kTileKeys] f32
+//                   logit terms (set_key_bias; 0 from pack_k) | [kTileKeys][dg] groups
+//                   (dg = ceil(d / G))
+//   V tile (panel)  the base engine's (f32 rows of stride dv + kStridePad where it has none)
+//   workspace: header | q [dg][rows_p] groups of QT per row | qs [rows_p] | inverse scales
+//              [rows_p] | the base engine's workspace
+// so Q.K^T broadcasts one key group against 2W query rows, like the bf16 engines' pairs.
+
+struct Int8Header {
+  std::uint32_t* q;
+  float *qs, *inv;
+  void* base_ws;
+  int rows_p, dg;
+};
+
+constexpr std::size_t int8_align64(std::size_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+template <class I>
+constexpr int groups_of(int d) {
+  return (d + I::G - 1) / I::G;
+}
+
+struct Int8Sizes {
+  std::size_t head, q, qs, base;
+  std::size_t total() const { return head + q + 2 * qs + base; }
+};
+
+template <class I, const TileKernels& (*Base)()>
+Int8Sizes int8_sizes(int rows_p, int d, int dv) {
+  const TileKernels& b = Base();
+  return {int8_align64(sizeof(Int8Header)),
+          int8_align64(std::size_t(groups_of<I>(d)) * std::size_t(rows_p) * 4),
+          int8_align64(std::size_t(rows_p) * sizeof(float)),
+          b.workspace_bytes != nullptr ? b.workspace_bytes(rows_p, d, dv) : 0};
+}
+
+template <class I, const TileKernels& (*Base)()>
+std::size_t int8_workspace_bytes(int rows_p, int d, int dv) {
+  return int8_sizes<I, Base>(rows_p, d, dv).total();
+}
+
+// The scale of values whose largest magnitude is `amax` (NaN: one is not finite), and the
+// multiplier that turns a value into its code (0 where the scale is 0).
+struct Quant {
+  float scale, inv;
+};
+inline Quant quant_of(float amax, bool finite) {
+  if (!finite) return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  if (!(amax > 0.0f)) return {0.0f, 0.0f};
+  const float inv = 127.0f / amax;
+  if (!std::isfinite(inv)) return {0.0f, 0.0f};
+  return {amax / 127.0f, inv};
+}
+
+inline int code_of(float x, float inv) {
+  const float c = std::nearbyint(x * inv);  // round half to even
+  if (std::isnan(c)) return 0;              // a value that is not finite (its scale is NaN)
+  return static_cast<int>(std::clamp(c, -127.0f, 127.0f));
+}
+
+template <class I>
+std::uint32_t group_bits(const int* codes) {
+  std::uint32_t g = 0;
+  for (int t = 0; t < I::G; ++t) {
+    const int c = codes[t];
+    const std::uint32_t bits = I::G == 2 ? std::uint32_t(std::uint16_t(std::int16_t(c)))
+                                         : std::uint32_t(std::uint8_t(std::int8_t(c)));
+    g |= bits << (t * (32 / I::G));
+  }
+  return g;
+}
+
+template <class I>
+std::uint32_t query_group_bits(const int* codes) {
+  if constexpr (I::kOffsetQ) {
+    std::uint32_t g = 0;
+    for (int t = 0; t < I::G; ++t) g |= std::uint32_t(codes[t] + 128) << (8 * t);
+    return g;
+  } else {
+    return group_bits<I>(codes);
+  }
+}
+
+inline std::size_t int8_k_header_bytes() {
+  return std::size_t(kTileKeys) * (2 * sizeof(float) + sizeof(std::int32_t));
+}
+
+inline void int8_set_key_bias(void* tile, const float* bias, int keys) {
+  float* kb = static_cast<float*>(tile) + 2 * kTileKeys;
+  std::copy(bias, bias + keys, kb);
+}
+
+template <class I>
+std::size_t int8_k_tile_bytes(int d) {
+  return int8_align64(int8_k_header_bytes() +
+                      std::size_t(kTileKeys) * std::size_t(groups_of<I>(d)) * 4);
+}
+
+template <class I>
+void int8_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
+  auto* ks = static_cast<float*>(tile);
+  auto* sums = reinterpret_cast<std::int32_t*>(ks + kTileKeys);
+  float* kb = ks + 2 * kTileKeys;
+  auto* groups = reinterpret_cast<std::uint32_t*>(kb + kTileKeys);
+  const int dg = groups_of<I>(d);
+  std::fill(kb, kb + kTileKeys, 0.0f);
+  for (int j = 0; j < keys; ++j) {
+    const float* row = k + j * ld;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int e = 0; e < d; ++e) {
+      finite = finite && std::isfinite(row[e]);
+      amax = std::max(amax, std::fabs(row[e]));
+    }
+    const Quant qn = quant_of(amax, finite);
+    ks[j] = qn.scale;
+    std::int32_t sum = 0;
+    for (int g = 0; g < dg; ++g) {
+      int codes[4] = {0, 0, 0, 0};
+      for (int t = 0; t < I::G; ++t) {
+        const int e = g * I::G + t;
+        codes[t] = e < d ? code_of(row[e], qn.inv) : 0;
+        sum += codes[t];
+      }
+      groups[std::int64_t(j) * dg + g] = group_bits<I>(codes);
+    }
+    sums[j] = sum;
+  }
+}
+
+template <class I, const TileKernels& (*Base)()>
+void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, float logit_scale,
+                 void* ws) {
+  const Int8Sizes s = int8_sizes<I, Base>(rows_p, d, dv);
+  auto* base = static_cast<unsigned char*>(ws);
+  auto* h = static_cast<Int8Header*>(ws);
+  h->q = reinterpret_cast<std::uint32_t*>(base + s.head);
+  h->qs = reinterpret_cast<float*>(base + s.head + s.q);
+  h->inv = reinterpret_cast<float*>(base + s.head + s.q + s.qs);
+  h->base_ws = s.base > 0 ? base + s.head + s.q + 2 * s.qs : nullptr;
+  h->rows_p = rows_p;
+  h->dg = groups_of<I>(d);
+  const TileKernels& b = Base();
+  if (b.pack_q != nullptr) b.pack_q(qt, ldqt, rows_p, d, dv, logit_scale, h->base_ws);
+  // Per row: the largest magnitude (in qs) and whether every element is finite (inv = 0/1).
+  for (int r = 0; r < rows_p; ++r) h->qs[r] = 0.0f, h->inv[r] = 1.0f;
+  for (int e = 0; e < d; ++e) {
+    const float* col = qt + e * ldqt;
+    for (int r = 0; r < rows_p; ++r) {
+      if (!std::isfinite(col[r])) h->inv[r] = 0.0f;
+      h->qs[r] = std::max(h->qs[r], std::fabs(col[r]));
+    }
+  }
+  for (int r = 0; r < rows_p; ++r) {
+    const Quant qn = quant_of(h->qs[r], h->inv[r] != 0.0f);
+    h->qs[r] = qn.scale * logit_scale;
+    h->inv[r] = qn.inv;
+  }
+  for (int g = 0; g < h->dg; ++g) {
+    std::uint32_t* dst = h->q + std::int64_t(g) * rows_p;
+    for (int r = 0; r < rows_p; ++r) {
+      int codes[4] = {0, 0, 0, 0};
+      for (int t = 0; t < I::G; ++t) {
+        const int e = g * I::G + t;
+        codes[t] = e < d ? code_of(qt[e * ldqt + r], h->inv[r]) : 0;
+      }
+      dst[r] = query_group_bits<I>(codes);
+    }
+  }
+}
+
+// ST[j][r0..r0+2W) for MK keys.
+template <class I, int MK>
+inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int32_t* sums,
+                         const float* kb, int dg, const std::uint32_t* q, int rows_p,
+                         const float* qs, float* st, std::int64_t ldst) {
+  using R = typename I::ireg;
+  R acc[MK][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MK; ++m) acc[m][0] = acc[m][1] = I::zero();
+  for (int g = 0; g < dg; ++g) {
+    const R q0 = I::load(q + std::int64_t(g) * rows_p);
+    const R q1 = I::load(q + std::int64_t(g) * rows_p + I::W);
+#pragma GCC unroll 8
+    for (int m = 0; m < MK; ++m) {
+      const std::uint32_t kg = k[m * dg + g];
+      acc[m][0] = I::dot(acc[m][0], q0, kg);
+      acc[m][1] = I::dot(acc[m][1], q1, kg);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MK; ++m) {
+    const std::int32_t corr = I::kOffsetQ ? 128 * sums[m] : 0;
+    I::logits(st + m * ldst, acc[m][0], corr, qs, ks[m], kb[m]);
+    I::logits(st + m * ldst + I::W, acc[m][1], corr, qs + I::W, ks[m], kb[m]);
+  }
+}
+
+template <class I, int MK>
+inline void int8_qk_tail(int n, const std::uint32_t* k, const float* ks, const std::int32_t* sums,
+                         const float* kb, int dg, const std::uint32_t* q, int rows_p,
+                         const float* qs, float* st, std::int64_t ldst) {
+  if constexpr (MK > 0) {
+    if (n == MK) return int8_qk_keys<I, MK>(k, ks, sums, kb, dg, q, rows_p, qs, st, ldst);
+    int8_qk_tail<I, MK - 1>(n, k, ks, sums, kb, dg, q, rows_p, qs, st, ldst);
+  }
+}
+
+template <class I>
+void int8_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std::int64_t /*ldqt*/,
+             float* st, std::int64_t ldst, int keys, int rows_p, int /*d*/, void* ws) {
+  const Int8Header& h = *static_cast<const Int8Header*>(ws);
+  const auto* ks = static_cast<const float*>(k_tile);
+  const auto* sums = reinterpret_cast<const std::int32_t*>(ks + kTileKeys);
+  const float* kb = ks + 2 * kTileKeys;
+  const auto* k = reinterpret_cast<const std::uint32_t*>(kb + kTileKeys);
+  const int dg = h.dg;
+  constexpr int kKeys = I::kKeys;
+  for (int r0 = 0; r0 < rows_p; r0 += 2 * I::W) {
+    const std::uint32_t* q = h.q + r0;
+    const float* qs = h.qs + r0;
+    int j = 0;
+    for (; j + kKeys <= keys; j += kKeys)
+      int8_qk_keys<I, kKeys>(k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs,
+                             st + j * ldst + r0, ldst);
+    int8_qk_tail<I, kKeys - 1>(keys - j, k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs,
+                               st + j * ldst + r0, ldst);
+  }
+}
+
+// P.V on the base engine, in its own workspace.
+template <const TileKernels& (*Base)()>
+void int8_pv(const float* pt, std::int64_t ldpt, const void* v, std::int64_t ldv, float* o,
+             std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* ws) {
+  Base().pv(pt, ldpt, v, ldv, o, ldo, alpha, rows, keys, dv,
+            static_cast<const Int8Header*>(ws)->base_ws);
+}
+
+template <const TileKernels& (*Base)()>
+std::size_t int8_v_tile_bytes(int dv) {
+  const TileKernels& b = Base();
+  if (b.v_tile_bytes != nullptr) return b.v_tile_bytes(dv);
+  return int8_align64(std::size_t(kTileKeys) * std::size_t(dv + kInt8StridePad) * sizeof(float));
+}
+
+template <const TileKernels& (*Base)()>
+void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) {
+  const TileKernels& b = Base();
+  if (b.pack_v != nullptr) return b.pack_v(v, ld, keys, dv, tile);
+  std::copy(v, v + std::int64_t(keys) * ld, static_cast<float*>(tile));
+}
+
+// The functions an engine's TileKernels take from here (instantiated inside the including
+// file's target region; int8_tile_kernels() assembles them outside it).
+template <class I, const TileKernels& (*Base)()>
+constexpr Int8Functions int8_functions() {
+  return {&int8_qk<I>,
+          &int8_pv<Base>,
+          &int8_workspace_bytes<I, Base>,
+          &int8_pack_q<I, Base>,
+          &int8_k_tile_bytes<I>,
+          &int8_v_tile_bytes<Base>,
+          &int8_pack_k<I>,
+          &int8_pack_v<Base>,
+          &int8_set_key_bias,
+          2 * I::W};
+}

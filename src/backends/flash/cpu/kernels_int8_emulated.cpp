@@ -1,0 +1,78 @@
+// The portable SAGE engines: portable_int8 (the engine of a CPU without AVX2) and the emulated
+// twins of avx2_int8, avx_vnni and avx512_vnni (int8_impl.hpp's layouts and blocking with the
+// instructions computed in portable C++, int8_emulated_ops.hpp), which the tests run on every
+// machine. Their softmax and row conversions are the portable f32 ones; P.V is portable f32,
+// or the emulated bf16 dot for the avx512_vnni twin (as its real twin on an AVX512-BF16 CPU).
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+
+#include "backends/flash/kernels.hpp"
+
+namespace dattn::flash {
+namespace int8_emulated_impl {
+
+#include "backends/flash/cpu/int8_impl.hpp"
+
+#include "backends/flash/cpu/int8_emulated_ops.hpp"
+
+using Avx2Int8 = EmulatedInt8Ops<8, 2, false, 6>;
+using AvxVnni = EmulatedInt8Ops<8, 4, true, 6>;
+using Avx512Vnni = EmulatedInt8Ops<16, 4, true, 8>;
+
+}  // namespace int8_emulated_impl
+
+TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
+                              const Int8Functions& f) {
+  TileKernels k = base;
+  k.engine = engine;
+  k.row_align = std::lcm(base.row_align, f.align);
+  k.qk = f.qk;
+  k.pv = f.pv;
+  k.workspace_bytes = f.workspace_bytes;
+  k.pack_q = f.pack_q;
+  k.k_tile_bytes = f.k_tile_bytes;
+  k.v_tile_bytes = f.v_tile_bytes;
+  k.pack_k = f.pack_k;
+  k.pack_v = f.pack_v;
+  k.set_key_bias = f.set_key_bias;
+  k.attend = nullptr;  // tile by tile: qk here, the base's softmax_tile and pv
+  k.panel_tiles = 1;
+  k.thread_begin = k.thread_end = nullptr;
+  return k;
+}
+
+namespace {
+using namespace int8_emulated_impl;
+template <class I, const TileKernels& (*Base)()>
+TileKernels make(std::string_view name) {
+  return int8_tile_kernels(name, Base(), int8_functions<I, Base>());
+}
+}  // namespace
+
+const TileKernels& portable_int8_kernels() {
+  static const TileKernels k = make<Avx2Int8, &portable_kernels>("portable_int8");
+  return k;
+}
+const TileKernels& avx2_int8_emulated_kernels() {
+  static const TileKernels k = make<Avx2Int8, &portable_kernels>("avx2_int8_emulated");
+  return k;
+}
+const TileKernels& avx_vnni_emulated_kernels() {
+  static const TileKernels k = make<AvxVnni, &portable_kernels>("avx_vnni_emulated");
+  return k;
+}
+const TileKernels& avx512_vnni_emulated_kernels() {
+  static const TileKernels k =
+      make<Avx512Vnni, &avx512_bf16_emulated_kernels>("avx512_vnni_emulated");
+  return k;
+}
+const TileKernels& avx512_vnni_emulated_f32_pv_kernels() {
+  static const TileKernels k = make<Avx512Vnni, &portable_kernels>("avx512_vnni_emulated");
+  return k;
+}
+
+}  // namespace dattn::flash
