@@ -16,8 +16,13 @@ that one runtime's spinning workers have gone to sleep before the other starts),
 figure is the best of --rounds, so load from other processes hits both alike.
 GFLOP/s counts 4 * S * S * D * H.
 
+--backend (repeatable, default FLASH) names the dattn backends timed in the same rounds, e.g.
+`--backend FLASH --backend SAGE` for 8-bit attention beside FLASH; one row per backend, each
+against the same PyTorch timings (dattn/torch) and, from the second on, against the first
+(vs first).
+
 Usage: .venv/bin/python bench/torch_sdpa.py [--threads 2] [--heads 2] [--rounds 3]
-           [--workload flux-1024 ...] [--dtype f32 --dtype bf16] [--json]
+           [--workload flux-1024 ...] [--dtype f32 --dtype bf16] [--backend FLASH ...] [--json]
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def parse_args(argv=None):
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS))
     ap.add_argument("--dtype", action="append", choices=["f32", "bf16"])
     ap.add_argument("--pause", type=float, default=0.2, help="seconds between the libraries")
+    ap.add_argument("--backend", action="append",
+                    help="dattn backend (repeatable; default FLASH), e.g. SAGE")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     return ap.parse_args(argv)
 
@@ -71,8 +78,9 @@ def main(argv=None):
               f"{header['torch_threads']}, dattn {dattn_threads}; torch {torch.__version__} "
               f"(CPU capability {header['torch_cpu_capability']}); {args.heads} heads; best of "
               f"{args.rounds} interleaved rounds")
-        print(f"{'workload':<11}{'dtype':<6}{'torch s':>9}{'GFLOP/s':>9}{'dattn s':>9}"
-              f"{'GFLOP/s':>9}  {'dattn/torch':>11}  engine       err vs torch")
+        print(f"{'workload':<11}{'dtype':<6}{'backend':<8}{'torch s':>9}{'GFLOP/s':>9}"
+              f"{'dattn s':>9}{'GFLOP/s':>9}  {'dattn/torch':>11}  {'vs first':>8}  "
+              f"engine       err vs torch")
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     rows = []
     with torch.no_grad():
@@ -82,12 +90,15 @@ def main(argv=None):
             flops = 4.0 * S * S * D * H
             g = torch.Generator().manual_seed(1)
             base = [torch.randn(1, H, S, D, generator=g) for _ in range(3)]
-            layer = dattn.Attention(H, D, qkv_layout="BHSD", prefix=f"bench.{name}")
+            backends = args.backend or ["FLASH"]
+            layers = {b: dattn.Attention(H, D, qkv_layout="BHSD", prefix=f"bench.{name}",
+                                         backend=b) for b in backends}
             for dt in args.dtype or ["f32", "bf16"]:
                 q, k, v = (t.to(dtypes[dt]) for t in base)
-                out = torch.empty_like(q)
-                fns = {"torch": lambda: sdpa(q, k, v),
-                       "dattn": lambda: layer.forward(q, k, v, out=out)}
+                outs = {b: torch.empty_like(q) for b in backends}
+                fns = {"torch": lambda: sdpa(q, k, v)}
+                for b in backends:
+                    fns[b] = (lambda b=b: layers[b].forward(q, k, v, out=outs[b]))
                 best = {lib: float("inf") for lib in fns}
                 for lib, fn in fns.items():  # warm-up: plans, allocators, thread pools
                     fn()
@@ -99,22 +110,26 @@ def main(argv=None):
                         best[lib] = min(best[lib], time.perf_counter() - t0)
                         time.sleep(args.pause)
                 want = sdpa(q, k, v)
-                err = float((out.double() - want.double()).norm() / want.double().norm())
-                row = {**header, "workload": name, "dtype": dt, "seq": S, "head_dim": D,
-                       "flops": flops, "torch_s": best["torch"], "dattn_s": best["dattn"],
-                       "torch_gflops": flops / best["torch"] * 1e-9,
-                       "dattn_gflops": flops / best["dattn"] * 1e-9,
-                       "dattn_over_torch": best["torch"] / best["dattn"],
-                       "engine": layer.last_engine, "backend": layer.backend_name,
-                       "rel_err_vs_torch": err}
-                rows.append(row)
-                if args.json:
-                    print(json.dumps(row), flush=True)
-                else:
-                    print(f"{name:<11}{dt:<6}{row['torch_s']:>9.3f}{row['torch_gflops']:>9.1f}"
-                          f"{row['dattn_s']:>9.3f}{row['dattn_gflops']:>9.1f}  "
-                          f"{row['dattn_over_torch']:>10.2f}x  {row['engine']:<12} {err:.1e}",
-                          flush=True)
+                for b in backends:
+                    out, layer = outs[b], layers[b]
+                    err = float((out.double() - want.double()).norm() / want.double().norm())
+                    row = {**header, "workload": name, "dtype": dt, "seq": S, "head_dim": D,
+                           "flops": flops, "torch_s": best["torch"], "dattn_s": best[b],
+                           "torch_gflops": flops / best["torch"] * 1e-9,
+                           "dattn_gflops": flops / best[b] * 1e-9,
+                           "dattn_over_torch": best["torch"] / best[b],
+                           "over_first": best[backends[0]] / best[b],
+                           "engine": layer.last_engine, "backend": layer.backend_name,
+                           "rel_err_vs_torch": err}
+                    rows.append(row)
+                    if args.json:
+                        print(json.dumps(row), flush=True)
+                    else:
+                        print(f"{name:<11}{dt:<6}{b:<8}{row['torch_s']:>9.3f}"
+                              f"{row['torch_gflops']:>9.1f}{row['dattn_s']:>9.3f}"
+                              f"{row['dattn_gflops']:>9.1f}  {row['dattn_over_torch']:>10.2f}x  "
+                              f"{row['over_first']:>7.2f}x  {row['engine']:<12} {err:.1e}",
+                              flush=True)
     return rows
 
 

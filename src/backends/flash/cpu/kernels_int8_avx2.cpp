@@ -28,7 +28,7 @@ namespace int8_avx2_impl {
 #include "backends/flash/cpu/int8_impl.hpp"
 
 struct Avx2Lanes {
-  static constexpr int W = 8, kKeys = 6;
+  static constexpr int W = 8, kKeys = 4;
   using ireg = __m256i;
   static ireg zero() { return _mm256_setzero_si256(); }
   static ireg load(const std::uint32_t* p) {
