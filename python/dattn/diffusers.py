@@ -27,10 +27,18 @@ How it routes (docs/python.md, "diffusers", has the table per model and the reas
   the last user is gone.
 - A call dattn does not serve goes to the original function and is counted in
   ``handle.fallbacks`` under its reason (the torch adapter's reasons, docs/python.md):
-  ``"device"``, ``"dtype"``, ``"grad"``, ``"dropout"``, ``"context_parallel"`` (a diffusers
-  ``parallel_config``), ``"attention_kwargs"`` (backend-specific keywords such as
-  ``return_lse``), ``"gqa"``, ``"shape"``, ``"mask_and_causal"``, ``"torch_function"``,
+  ``"device"``, ``"dtype"``, ``"grad"``, ``"dropout"``, ``"attention_kwargs"``
+  (backend-specific keywords such as ``return_lse``), ``"gqa"``, ``"shape"``,
+  ``"mask_and_causal"``, ``"torch_function"``,
   ``"functorch"``, ``"jit_trace"``, ``"non_finite"``, ``"unsupported:<field>"``, ...
+
+A call with a diffusers ``parallel_config`` (under :func:`enable_parallelism`) runs diffusers'
+ring / Ulysses machinery with dattn's forward op, as the named backend does.
+
+diffusers' own backend by name: importing this module registers ``"dattn"`` and
+``"dattn_sage"`` (:func:`register`, :func:`unregister`), so ``model.set_attention_backend("dattn")``
+and ``with attention_backend("dattn"):`` work; :func:`enable_parallelism` is diffusers'
+context parallelism on a CPU (gloo). Both live in :mod:`dattn.diffusers_backend`.
 
 The handle holds its model weakly (a dropped model is freed, and its hooks released); a
 ``copy.deepcopy`` or a pickle (``torch.save``) of an enabled model is a plain model (its
@@ -54,7 +62,8 @@ try:
 except ImportError:  # pragma: no cover - diffusers needs torch
     torch = None
 
-__all__ = ["DiffusersHandle", "enable", "disable", "handle_of"]
+__all__ = ["DiffusersHandle", "enable", "disable", "handle_of", "register", "unregister",
+           "registered", "backend_client", "enable_parallelism"]
 
 _LOCK = threading.RLock()
 
@@ -362,6 +371,55 @@ def enable(model, backend: Optional[str] = None, backend_kwargs: Optional[dict] 
         return DiffusersHandle(model, backend, backend_kwargs)._enable(model)
 
 
+# --- diffusers' own backend by name, and context parallelism (dattn.diffusers_backend) -----------
+
+
+def register() -> list:
+    """Adds the attention backend names "dattn" (dattn's automatic choice, FLASH) and
+    "dattn_sage" (SAGE) to diffusers, so that ``model.set_attention_backend("dattn")`` and
+    ``with attention_backend("dattn"):`` work; idempotent (importing dattn.diffusers calls it
+    where diffusers is installed). Returns the names."""
+    from . import diffusers_backend
+
+    return diffusers_backend.register()
+
+
+def unregister() -> None:
+    """Removes dattn's names from diffusers (nothing if absent); diffusers' own backends are
+    untouched. Reset models set to a dattn name first (``model.reset_attention_backend()``)."""
+    from . import diffusers_backend
+
+    diffusers_backend.unregister()
+
+
+def registered() -> bool:
+    """Whether dattn's names are registered with diffusers now."""
+    from . import diffusers_backend
+
+    return diffusers_backend.registered()
+
+
+def backend_client(name: str = "dattn"):
+    """The counters of a named backend: ``.calls``, ``.fallbacks`` (by reason), ``.engines()``."""
+    from . import diffusers_backend
+
+    return diffusers_backend.backend_client(name)
+
+
+def enable_parallelism(model, config, cp_plan=None):
+    """diffusers' context parallelism for a CPU model: ``config`` is diffusers'
+    ``ContextParallelConfig`` (ring_degree / ulysses_degree); the caller initialises
+    torch.distributed (gloo). Builds the device mesh on the CPU, where diffusers 0.42.1's
+    ``model.enable_parallelism`` needs an accelerator, then runs diffusers' own machinery.
+    Set the backend first (``model.set_attention_backend("dattn")``, or
+    ``dattn.diffusers.enable(model)``). Typed errors (:class:`dattn.InvalidArgument`) name a
+    degree that does not match the world size or divide the heads, and differing input dtypes
+    between ranks (checked at each forward on every rank). docs/python.md has the steps."""
+    from . import diffusers_backend
+
+    return diffusers_backend.enable_parallelism(model, config, cp_plan)
+
+
 def handle_of(model) -> Optional[DiffusersHandle]:
     """The active handle of ``model``, or None."""
     return _Handles.by_model.get(model)
@@ -372,3 +430,15 @@ def disable(model) -> None:
     handle = handle_of(model)
     if handle is not None:
         handle.disable()
+
+
+def _register_at_import() -> None:
+    try:
+        import diffusers.models.attention_dispatch  # noqa: F401
+    except Exception:  # diffusers absent (or broken): enable() still reports its own errors
+        return
+    register()
+
+
+if torch is not None:
+    _register_at_import()

@@ -800,9 +800,8 @@ def serve_dispatch(client: Client, original: Callable, signature, args, kwargs):
     except TypeError:
         _count(client, "arguments", compiling)
         return original(*args, **kwargs)
-    if a.get("parallel_config") is not None:
-        reason = "context_parallel"
-    elif a.get("attention_kwargs"):
+    parallel = a.get("parallel_config")
+    if a.get("attention_kwargs"):
         reason = "attention_kwargs"
     else:
         reason = None
@@ -827,6 +826,14 @@ def serve_dispatch(client: Client, original: Callable, signature, args, kwargs):
                  "dropout_p": a.get("dropout_p", 0.0), "is_causal": a.get("is_causal", False),
                  "scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False)}
         reason = _eager_reason(bound, "BSHD", not compiling)
+    if reason is None and parallel is not None:
+        # diffusers' context parallelism: its ring / Ulysses machinery with dattn's forward op
+        # (the named backend's, dattn.diffusers_backend), merging the ranks' (out, lse) itself.
+        from .diffusers_backend import context_parallel_attention
+
+        return context_parallel_attention(
+            client, q, k, v, a.get("attn_mask"), bound["dropout_p"], bound["is_causal"],
+            bound["scale"], bound["enable_gqa"], False, parallel)
     if reason is not None:
         _count(client, reason, compiling)
         return original(*args, **kwargs)

@@ -54,3 +54,29 @@ def test_diffusers_flux(keep_torch_threads, capsys):
         assert r["attention_calls"] == 2 and r["backend"] == "FLASH"
         assert r["forward_default_s"] > 0 and r["attention_dattn_s"] > 0
     assert "attention (2 calls)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("degrees", [["--ulysses", "2"], ["--ring", "2"], ["--threads", "1"]],
+                         ids=["ulysses", "ring", "one-process"])
+def test_diffusers_parallel(degrees, keep_torch_threads, capsys):
+    pytest.importorskip("diffusers")
+    tiny = ["--model", "flux", "--image-tokens", "64", "--text-tokens", "16", "--heads", "2",
+            "--head-dim", "32", "--reps", "1"]
+    results = load("diffusers_parallel").main(tiny + degrees)
+    assert "error" not in results, results
+    assert results["shape"] == [1, 64, 64] and results["forward_s"] > 0
+    s = results["seconds"]
+    if "--threads" in degrees:
+        assert s["single_attention"] > 0
+    else:
+        assert s["forward_op"] > 0 and s["attention"] >= s["forward_op"]
+        assert s["all_to_all" if "--ulysses" in degrees else "all_gather"] > 0
+    assert "forward" in capsys.readouterr().out
+
+
+def test_diffusers_parallel_native_ring_is_diffusers_own_error(capsys):
+    pytest.importorskip("diffusers")
+    results = load("diffusers_parallel").main(
+        ["--model", "wan", "--video", "2", "4", "4", "--text-tokens", "8", "--heads", "2",
+         "--head-dim", "32", "--reps", "1", "--ring", "2", "--backend", "native"])
+    assert "return_lse" in results["error"]
