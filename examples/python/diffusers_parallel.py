@@ -89,6 +89,11 @@ def _rope_axes(head_dim: int):
 class Timers:
     """Seconds spent in the wrapped functions (rank 0 reports its own)."""
 
+    # What a wrapped function is when it runs outside diffusers' templated attention: the
+    # model's own gathering hook, or an attention call the plan does not split (Wan's
+    # cross-attention).
+    outside = {"all_gather": "output_all_gather", "forward_op": "attention_not_split"}
+
     def __init__(self):
         self.inside = False
         self.seconds: Dict[str, float] = {}
@@ -100,7 +105,7 @@ class Timers:
         def timed(*args, **kwargs):
             # A collective outside the attention is the model's own sharding / gathering hooks.
             key = name if self.inside or name in ("attention", "single_attention") else \
-                f"outside_attention_{name}"
+                self.outside.get(name, f"outside_attention_{name}")
             outer, self.inside = self.inside, self.inside or name == "attention"
             t = time.perf_counter()
             try:
@@ -121,19 +126,20 @@ class Timers:
         self.calls.clear()
 
 
-def instrument(timers: Timers):
+def instrument(timers: Timers, world: int):
     from diffusers.models import attention_dispatch as ad
 
     from dattn import diffusers_backend as db
 
+    if world == 1:  # one process: the attention calls themselves
+        timers.wrap(db, "_attend", "single_attention")
+        timers.wrap(torch.nn.functional, "scaled_dot_product_attention", "single_attention")
+        return
     timers.wrap(ad, "_templated_context_parallel_attention", "attention")
     timers.wrap(ad, "_all_to_all_single", "all_to_all")
     timers.wrap(ad.funcol, "all_gather_tensor", "all_gather", wait=True)
     timers.wrap(db, "_forward_op", "forward_op")
     timers.wrap(ad, "_native_attention_forward_op", "forward_op")
-    # one process: the attention calls themselves
-    timers.wrap(db, "_attend", "single_attention")
-    timers.wrap(torch.nn.functional, "scaled_dot_product_attention", "single_attention")
 
 
 def run_rank(rank: int, world: int, init: Optional[str], args, out_path: str) -> None:
@@ -155,7 +161,7 @@ def run_rank(rank: int, world: int, init: Optional[str], args, out_path: str) ->
         dattn.diffusers.enable_parallelism(
             model, ContextParallelConfig(ring_degree=args.ring, ulysses_degree=args.ulysses))
     timers = Timers()
-    instrument(timers)
+    instrument(timers, world)
     result = {"rank": rank, "world": world}
     try:
         times = []

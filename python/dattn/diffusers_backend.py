@@ -83,9 +83,14 @@ def _waited(t):
 
 
 def _attend(client, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            return_lse):
+            return_lse, lse_required=None):
     """(out [B, S, H, Dv], lse [B, S, H] f32 or None): dattn's answer, or PyTorch's where dattn
-    does not serve the call (counted on ``client`` under the torch adapter's reasons)."""
+    does not serve the call (counted on ``client`` under the torch adapter's reasons).
+    ``return_lse``: the LSE is wanted; ``lse_required`` (default: ``return_lse``): a call whose
+    LSE PyTorch cannot give (dropout, grad, mask with causal) raises instead of returning
+    None."""
+    if lse_required is None:
+        lse_required = return_lse
     from . import torch_adapter as ta
 
     query, key, value, attn_mask = (_waited(t) for t in (query, key, value, attn_mask))
@@ -112,7 +117,7 @@ def _attend(client, query, key, value, attn_mask, dropout_p, is_causal, scale, e
             out = ta.PYTORCH_SDPA(*(t.transpose(1, 2) for t in (query, key, value)),
                                   attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                   scale=scale, enable_gqa=enable_gqa).transpose(1, 2)
-            if return_lse:
+            if lse_required:
                 raise _with_field(
                     Unsupported,
                     f"return_lse: dattn's diffusers backend hands this call to PyTorch "
@@ -139,8 +144,9 @@ def _forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     """diffusers' forward-op contract (``_templated_context_parallel_attention``): BSHD
     tensors in, ``out`` [B, S, H, Dv] (and ``lse`` [B, S, H] f32 with ``return_lse``) out."""
     client = _client if _client is not None else backend_client()
+    # The backward op wants the LSE; it recomputes it where PyTorch's answer has none.
     out, lse = _attend(client, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                       enable_gqa, return_lse or (_save_ctx and ctx is not None))
+                       enable_gqa, return_lse or (_save_ctx and ctx is not None), return_lse)
     if _save_ctx and ctx is not None:
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.attn_mask = _key_mask_4d(attn_mask, query, key)
@@ -158,7 +164,7 @@ def _backward_op(ctx, grad_out, *args, query=None, key=None, value=None, out=Non
     v = sv if value is None else value
     o = so if out is None else out
     l = sl if lse is None else lse
-    if l.dim() == 4:
+    if l is not None and l.dim() == 4:
         l = l.squeeze(-1)
     dtype = q.dtype
     qf, kf, vf, of, dof = (t.float().transpose(1, 2) for t in (q, k, v, o, grad_out))
@@ -172,7 +178,8 @@ def _backward_op(ctx, grad_out, *args, query=None, key=None, value=None, out=Non
     mask = ctx.attn_mask
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
-    p = torch.exp(s - l.float().transpose(1, 2)[..., None]).nan_to_num(0.0)
+    lse_bhs = torch.logsumexp(s, -1) if l is None else l.float().transpose(1, 2)
+    p = torch.exp(s - lse_bhs[..., None]).nan_to_num(0.0)
     dv = torch.matmul(p.transpose(-1, -2), dof)
     dp = torch.matmul(dof, vf.transpose(-1, -2))
     ds = p * (dp - (dof * of).sum(-1, keepdim=True))
