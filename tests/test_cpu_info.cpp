@@ -253,6 +253,14 @@ void expect_sane(const PeakGflops& p, int threads) {
     EXPECT_TRUE(std::isfinite(*p.amx_bf16));
     EXPECT_GT(*p.amx_bf16, 0.0);
   }
+  // amx_int8's tdpbssd: where AMX runs and the CPU has AMX-INT8; else the reason.
+  EXPECT_EQ(p.amx_int8.has_value(),
+            !detail::amx_unavailable().has_value() && cpu_features().amx_int8);
+  EXPECT_EQ(p.amx_int8_unavailable.empty(), p.amx_int8.has_value());
+  if (p.amx_int8) {
+    EXPECT_TRUE(std::isfinite(*p.amx_int8));
+    EXPECT_GT(*p.amx_int8, 0.0);
+  }
 }
 
 TEST(CpuPeak, OneThread) {

@@ -106,7 +106,7 @@ DitLike dit_like(i64 s, i64 h, i64 d, std::uint32_t seed) {
 // same codes and scales, exact integer dots, the same two scale multiplies.
 TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
   const std::vector<const flash::Engine*> engines = int8_engines();
-  ASSERT_GE(engines.size(), 4u);  // portable_int8 and the three twins run everywhere
+  ASSERT_GE(engines.size(), 5u);  // portable_int8 and the four twins run everywhere
   std::mt19937 rng(5);
   std::normal_distribution<float> n(0.0f, 2.0f);
   for (const int d : {64, 59, 128})
@@ -266,7 +266,9 @@ TEST(Sage, VideoSparseRunsOnTheInt8Engines) {
   c.backend_options["qk_dtype"] = std::string("int8");
   const Attention layer(c);
   const ForwardResult got = layer.forward(q.view(), k.view(), v.view());
-  EXPECT_NE(layer.last_engine().find("int8"), std::string::npos) << layer.last_engine();
+  bool int8 = false;  // one of SAGE's engines (avx512_vnni has no "int8" in its name)
+  for (const flash::Engine* e : int8_engines()) int8 = int8 || layer.last_engine() == e->name;
+  EXPECT_TRUE(int8) << layer.last_engine();
   const HeadAccuracy a = per_head(got.out, reference(c, q, k, v).out);
   EXPECT_GE(a.worst_cosine, 0.9995);
   c.backend_options["qk_dtype"] = std::string("int4");
@@ -276,6 +278,41 @@ TEST(Sage, VideoSparseRunsOnTheInt8Engines) {
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(e.field(), "qk_dtype");
   }
+}
+
+// amx_int8 (its twin here): its own inner loop (int8 tiles for Q.K^T, bf16 tiles for P.V) on
+// FLASH's and VIDEO_SPARSE's drivers, with masks, causal rows and GQA; pv_dtype f32 runs
+// avx512_vnni's f32 P.V and says so.
+TEST(Sage, AmxInt8TwinOnBothDrivers) {
+  const i64 s = 157, hq = 4, hkv = 2, d = 72;
+  Tensor q = random_tensor({1, s, hq, d}, DType::F32, 51),
+         k = random_tensor({1, s, hkv, d}, DType::F32, 52),
+         v = random_tensor({1, s, hkv, d}, DType::F32, 53);
+  for (const bool causal : {false, true}) {
+    AttentionConfig c = sage_config(hq, hkv, d, "amx_int8_emulated", causal);
+    const Attention layer(c);
+    const ForwardResult got = layer.forward(q.view(), k.view(), v.view(), {}, true);
+    EXPECT_EQ(layer.last_engine(), "amx_int8_emulated");
+    const ForwardResult want = reference(c, q, k, v);
+    const HeadAccuracy a = per_head(got.out, want.out);
+    EXPECT_GE(a.worst_cosine, 0.9995) << causal;
+    EXPECT_LE(a.worst_rel_l1, 0.01) << causal;
+    const std::vector<double> gl = testing::to_vector(got.lse->view()),
+                              wl = testing::to_vector(want.lse->view());
+    for (std::size_t i = 0; i < gl.size(); ++i) ASSERT_NEAR(gl[i], wl[i], 5e-2) << i;
+    c.backend_options["pv_dtype"] = std::string("f32");
+    const Attention f32_pv(c);
+    (void)f32_pv.forward(q.view(), k.view(), v.view());
+    EXPECT_EQ(f32_pv.last_engine(), "avx512_vnni_emulated");
+  }
+  AttentionConfig c = testing::layer_config("VIDEO_SPARSE", hq, hkv, d);
+  c.backend_options["topk"] = i64(1000);
+  c.backend_options["qk_dtype"] = std::string("int8");
+  c.backend_options["isa"] = std::string("amx_int8_emulated");
+  const Attention sparse(c);
+  const ForwardResult got = sparse.forward(q.view(), k.view(), v.view());
+  EXPECT_EQ(sparse.last_engine(), "amx_int8_emulated");
+  EXPECT_GE(per_head(got.out, reference(c, q, k, v).out).worst_cosine, 0.9995);
 }
 
 TEST(Sage, BadOptionsNameTheOption) {

@@ -499,7 +499,8 @@ TEST(VideoSparseKernel, EveryEngineMatchesReference) {
             if (hidden(b, j))
               mask.data_as<std::uint8_t>()[((b * c.hq + h) * c.seq + i) * c.seq + j] = 0;
     for (const EngineInfo& e : flash_engines()) {
-      if (e.unavailable_reason) continue;
+      // SAGE's int8 engines only cap the ladder here (qk_dtype int8: tests/test_sage.cpp).
+      if (e.unavailable_reason || e.compute_dtype == "int8") continue;
       for (const DType dt : {DType::F32, DType::BF16}) {
         SCOPED_TRACE(e.name + " " + std::string(dtype_name(dt)) + " tile " +
                      std::to_string(tile[1]));

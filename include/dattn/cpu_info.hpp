@@ -73,6 +73,11 @@ struct PeakGflops {
   // int8_dot_unavailable says why it is absent.
   std::optional<double> int8_dot;
   std::string int8_dot_isa, int8_dot_unavailable;
+  // AMX tdpbssd GOP/s (2 ops per byte product; one 16x16x64 tile product = 32768 ops), the
+  // amx_int8 engine's Q.K^T, measured where this process may run AMX-INT8 tile instructions;
+  // amx_int8_unavailable says why not.
+  std::optional<double> amx_int8;
+  std::string amx_int8_unavailable;
 };
 
 // Measures the machine's peak with a register-resident loop of independent FMA chains (and, where

@@ -12,7 +12,8 @@ import sys
 from . import _core
 
 _KINDS = (("f32_fma", "f32 FMA"), ("bf16_dot", "bf16 dot (vdpbf16ps)"),
-          ("amx_bf16", "AMX tiles (tdpbf16ps)"), ("int8_dot", "int8 dot (GOP/s)"))
+          ("amx_bf16", "AMX tiles (tdpbf16ps)"), ("int8_dot", "int8 dot (GOP/s)"),
+          ("amx_int8", "AMX int8 tiles (tdpbssd, GOP/s)"))
 
 
 def _peak_kind(engine: dict):
@@ -21,6 +22,8 @@ def _peak_kind(engine: dict):
         return None
     if engine["compute_dtype"] == "f32":
         return "f32_fma"
+    if engine["name"] == "amx_int8":
+        return "amx_int8"
     if engine["compute_dtype"] == "int8":  # SAGE's: Q.K^T's rate
         return "int8_dot"
     return {"avx512_bf16": "bf16_dot", "amx": "amx_bf16"}.get(engine["name"])
@@ -61,7 +64,8 @@ def info(threads: int = 0) -> dict:
         "peak_gflops": {
             **{k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable", "amx_bf16",
                                     "amx_bf16_unavailable", "int8_dot", "int8_dot_isa",
-                                    "int8_dot_unavailable", "isa", "threads")},
+                                    "int8_dot_unavailable", "amx_int8", "amx_int8_unavailable",
+                                    "isa", "threads")},
             "affinity_cpus": cpu["affinity_cpus"],
         },
         "engines": engines,

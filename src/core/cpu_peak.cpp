@@ -248,6 +248,44 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_amx_bf16(long long iters,
   return total;
 }
 
+// TDPBSSD on the same tiles: A's bytes are (1, -1, 1, -1) and B's all 1, so each group's four
+// products cancel and the int32 accumulators keep their start values.
+alignas(64) constexpr auto kAmxA8 = amx_operand(0xff01, 0xff01);  // bytes 1, -1, 1, -1
+alignas(64) constexpr auto kAmxB8 = amx_operand(0x0101, 0x0101);  // bytes 1, 1, 1, 1
+constexpr double kAmxInt8OpsPerIter = kAmxAccumulators * 16.0 * 16 * 64 * 2;
+
+__attribute__((target("amx-tile,amx-int8"))) float dot_amx_int8(long long iters, float seed) {
+  alignas(64) std::int32_t c[kAmxAccumulators][kTileRows * kTileColsb / 4];
+  for (int t = 0; t < kAmxAccumulators; ++t)
+    for (std::int32_t& x : c[t]) x = static_cast<std::int32_t>(seed) + t;
+  __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
+  _tile_loadconfig(detail::kAmxTileConfig.data());
+  _tile_loadd(0, c[0], kTileColsb);
+  _tile_loadd(1, c[1], kTileColsb);
+  _tile_loadd(2, c[2], kTileColsb);
+  _tile_loadd(3, c[3], kTileColsb);
+  _tile_loadd(4, kAmxA8.data(), kTileColsb);
+  _tile_loadd(5, kAmxA8.data(), kTileColsb);
+  _tile_loadd(6, kAmxB8.data(), kTileColsb);
+  _tile_loadd(7, kAmxB8.data(), kTileColsb);
+  for (long long i = 0; i < iters; ++i) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  _tile_stored(0, c[0], kTileColsb);
+  _tile_stored(1, c[1], kTileColsb);
+  _tile_stored(2, c[2], kTileColsb);
+  _tile_stored(3, c[3], kTileColsb);
+  _tile_release();
+  __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
+  float total = 0;
+  for (const auto& tile : c)
+    for (std::int32_t x : tile) total += static_cast<float>(x);
+  return total;
+}
+
 #endif  // __x86_64__
 
 #if defined(__aarch64__)
@@ -404,7 +442,7 @@ PeakGflops measure_uncached(int threads, double seconds) {
   Kernel f32 = fma_scalar;
   int lanes = 1;
   out.isa = "scalar";
-  bool bf16 = false, amx = false;
+  bool bf16 = false, amx = false, amx_int8 = false;
 #if defined(__x86_64__)
   if (f.avx512f) {
     f32 = fma_avx512;
@@ -422,6 +460,11 @@ PeakGflops measure_uncached(int threads, double seconds) {
   const std::optional<std::string>& no_amx = detail::amx_unavailable();
   amx = !no_amx.has_value();
   if (no_amx) out.amx_bf16_unavailable = *no_amx;
+  amx_int8 = amx && f.amx_int8;
+  if (no_amx)
+    out.amx_int8_unavailable = *no_amx;
+  else if (!f.amx_int8)
+    out.amx_int8_unavailable = "this CPU lacks AMX-INT8 (tdpbssd)";
 #elif defined(__aarch64__)
   if (f.neon) {
     f32 = fma_neon;
@@ -432,9 +475,10 @@ PeakGflops measure_uncached(int threads, double seconds) {
 #if !defined(__x86_64__)
   out.bf16_dot_unavailable = "vdpbf16ps (AVX512-BF16) is an x86-64 instruction";
   out.amx_bf16_unavailable = "AMX is an x86-64 extension";
+  out.amx_int8_unavailable = "AMX is an x86-64 extension";
 #endif
   // The time is shared by the kinds measured.
-  const double share = seconds / (2 + int(bf16) + int(amx));
+  const double share = seconds / (2 + int(bf16) + int(amx) + int(amx_int8));
   // 2 flops (multiply + add) per lane per chain step.
   const Rate r = measure(f32, 2.0 * lanes * kChains, threads, share);
   out.f32_fma = r.gflops;
@@ -445,6 +489,7 @@ PeakGflops measure_uncached(int threads, double seconds) {
     out.bf16_dot = measure(dot_avx512bf16, 16.0 * 2 * 2 * kChains, threads, share).gflops;
   }
   if (amx) out.amx_bf16 = measure(dot_amx_bf16, kAmxFlopsPerIter, threads, share).gflops;
+  if (amx_int8) out.amx_int8 = measure(dot_amx_int8, kAmxInt8OpsPerIter, threads, share).gflops;
   // The SAGE engines' int8 dot: 2 ops per byte product.
   if (f.avx512f && f.avx512_vnni) {
     out.int8_dot = measure(dot_avx512vnni, 64.0 * 2 * kChains, threads, share).gflops;

@@ -118,6 +118,8 @@ json info_json(int threads, const PeakGflops& peak) {
                       {"int8_dot", rate(peak.int8_dot)},
                       {"int8_dot_isa", peak.int8_dot_isa},
                       {"int8_dot_unavailable", why(peak.int8_dot, peak.int8_dot_unavailable)},
+                      {"amx_int8", rate(peak.amx_int8)},
+                      {"amx_int8_unavailable", why(peak.amx_int8, peak.amx_int8_unavailable)},
                       {"isa", peak.isa},
                       {"threads", peak.threads},
                       {"affinity_cpus", affinity_cpus()}};
@@ -192,10 +194,12 @@ void print_text(std::ostream& os, const json& info) {
         names += (names.empty() ? "" : ", ") + e["name"].get<std::string>();
     return names;
   };
-  const std::array<std::array<const char*, 2>, 4> kinds{{{"f32_fma", "f32 FMA"},
-                                                         {"bf16_dot", "bf16 dot (vdpbf16ps)"},
-                                                         {"amx_bf16", "AMX tiles (tdpbf16ps)"},
-                                                         {"int8_dot", "int8 dot (GOP/s)"}}};
+  const std::array<std::array<const char*, 2>, 5> kinds{
+      {{"f32_fma", "f32 FMA"},
+       {"bf16_dot", "bf16 dot (vdpbf16ps)"},
+       {"amx_bf16", "AMX tiles (tdpbf16ps)"},
+       {"int8_dot", "int8 dot (GOP/s)"},
+       {"amx_int8", "AMX int8 tiles (tdpbssd, GOP/s)"}}};
   for (std::size_t n = 0; n < kinds.size(); ++n) {
     const std::string kind = kinds[n][0];
     label(n == 0 ? "peak GFLOP/s" : "");

@@ -369,6 +369,7 @@ std::string peak_kind_of_engine(const std::string& engine) {
     if (e.compute_dtype == "f32") return "f32_fma";
     if (e.name == "avx512_bf16") return "bf16_dot";
     if (e.name == "amx") return "amx_bf16";
+    if (e.name == "amx_int8") return "amx_int8";
     if (e.compute_dtype == "int8") return "int8_dot";  // SAGE's: Q.K^T's rate (P.V runs below it)
     return {};                                         // an engine whose peak is not measured
   }
@@ -380,6 +381,7 @@ std::optional<double> peak_of_kind(const PeakGflops& peak, const std::string& ki
   if (kind == "bf16_dot") return peak.bf16_dot;
   if (kind == "amx_bf16") return peak.amx_bf16;
   if (kind == "int8_dot") return peak.int8_dot;
+  if (kind == "amx_int8") return peak.amx_int8;
   return std::nullopt;
 }
 

@@ -44,6 +44,12 @@ std::optional<std::string> needs_amx() {
   return detail::amx_unavailable();
 }
 
+std::optional<std::string> needs_amx_int8() {
+  if (needs_amx()) return needs_amx();
+  if (cpu_features().amx_int8) return std::nullopt;
+  return std::string("this CPU lacks AMX-INT8 (tdpbssd)");
+}
+
 std::optional<std::string> needs_avx_vnni() {
   if (needs_avx2()) return needs_avx2();
   if (cpu_features().avx_vnni) return std::nullopt;
@@ -58,7 +64,7 @@ std::optional<std::string> needs_avx512_vnni() {
 
 // Ladder order (ranks ascending; within a rank, the preferred engine last, emulated twins
 // right after their real ones). FLASH runs the f32 and bf16 engines, SAGE the int8 ones.
-constexpr std::array<Engine, 14> kEngines{{
+constexpr std::array<Engine, 16> kEngines{{
     {"portable", 0, ComputeDtype::f32, false, &always, &portable_kernels},
     {"portable_int8", 0, ComputeDtype::int8, false, &always, &portable_int8_kernels},
     {"avx2", 1, ComputeDtype::f32, false, &needs_avx2, &avx2_kernels},
@@ -73,6 +79,8 @@ constexpr std::array<Engine, 14> kEngines{{
     {"avx512_bf16_emulated", 3, ComputeDtype::bf16, true, &always, &avx512_bf16_emulated_kernels},
     {"amx", 4, ComputeDtype::bf16, false, &needs_amx, &amx_kernels},
     {"amx_emulated", 4, ComputeDtype::bf16, true, &always, &amx_emulated_kernels},
+    {"amx_int8", 4, ComputeDtype::int8, false, &needs_amx_int8, &amx_int8_kernels},
+    {"amx_int8_emulated", 4, ComputeDtype::int8, true, &always, &amx_int8_emulated_kernels},
 }};
 
 std::string valid_names() {
@@ -231,18 +239,23 @@ PvDtype parse_pv_dtype(const BackendOptions& options) {
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {
   const bool vnni512 = e.kernels == &avx512_vnni_kernels;
   const bool vnni512_twin = e.kernels == &avx512_vnni_emulated_kernels;
+  const bool amx = e.kernels == &amx_int8_kernels;
+  const bool amx_twin = e.kernels == &amx_int8_emulated_kernels;
   if (pv == PvDtype::f32) {
-    if (vnni512) return avx512_vnni_f32_pv_kernels();
-    if (vnni512_twin) return avx512_vnni_emulated_f32_pv_kernels();
+    // amx_int8's P.V is on bf16 tiles: an f32 P.V is avx512_vnni's (the engine then reported).
+    if (vnni512 || amx) return avx512_vnni_f32_pv_kernels();
+    if (vnni512_twin || amx_twin) return avx512_vnni_emulated_f32_pv_kernels();
     return e.kernels();
   }
   if (pv == PvDtype::bf16) {
-    const bool has_bf16 = vnni512_twin || (vnni512 && cpu_features().avx512_bf16);
+    const bool has_bf16 =
+        vnni512_twin || amx || amx_twin || (vnni512 && cpu_features().avx512_bf16);
     if (!has_bf16)
-      throw NotAvailable("pv_dtype",
-                         "pv_dtype = bf16: the SAGE engine " + std::string(e.name) +
-                             " has no bf16 P.V on this CPU (avx512_vnni with AVX512-BF16, or "
-                             "its emulated twin, has one); use pv_dtype auto or f32");
+      throw NotAvailable(
+          "pv_dtype",
+          "pv_dtype = bf16: the SAGE engine " + std::string(e.name) +
+              " has no bf16 P.V on this CPU (avx512_vnni with AVX512-BF16, amx_int8 and "
+              "the emulated twins have one); use pv_dtype auto or f32");
   }
   return e.kernels();
 }

@@ -110,7 +110,7 @@ class FlashPlan final : public Plan {
     std::ostringstream os;
     std::size_t panel_bytes = 0;
     for (const Wave& w : waves) panel_bytes = std::max(panel_bytes, wave_bytes(w));
-    os << "FLASH plan: engine " << chosen.name << " (" << compute_dtype_name(chosen.compute)
+    os << "FLASH plan: engine " << kernels.engine << " (" << compute_dtype_name(chosen.compute)
        << " compute), " << items.size() << " work items of up to " << block.rows_per_head
        << " rows x " << block.heads << " heads, key tiles of " << kBlockKeys << ", " << threads
        << " thread(s), " << scratch_floats * sizeof(float) / 1024 << " KiB scratch per thread, K/V "
@@ -122,11 +122,12 @@ class FlashPlan final : public Plan {
     if (chosen.compute == ComputeDtype::int8)
       os << ", Q and K as int8 per row and key" << (smooth_k ? ", K smoothed" : "")
          << (balance_qk ? ", channels balanced" : "") << ", P.V on "
-         << (kernels.pv == nullptr ? "?" : std::string(kernels.engine));
+         << (kernels.attend != nullptr ? std::string("bf16 tiles") : std::string(kernels.engine));
     return os.str();
   }
 
-  std::string engine() const override { return std::string(chosen.name); }
+  // The engine that runs (SAGE's pv_dtype f32 on amx_int8 runs avx512_vnni's kernels).
+  std::string engine() const override { return std::string(kernels.engine); }
   std::size_t scratch_bytes_per_thread() const override {
     return scratch_floats * sizeof(float) +
            std::size_t(block.heads * block.rows_per_head) * sizeof(i64);

@@ -285,5 +285,11 @@ const TileKernels& amx_emulated_kernels();
 // The amx engine on emulated tiles with its AVX-512 BF16 vector parts; nullptr where the CPU
 // lacks them (amx_emulated_kernels() picks it where it can).
 const TileKernels* amx_emulated_tiles_avx512_kernels();
+// The SAGE engine on AMX: Q.K^T with tdpbssd (int8 groups, int32 tiles), P.V on bf16 tiles
+// (cpu/amx_int8_impl.hpp), and its twin on emulated tiles; the twin with the AVX-512 BF16
+// vector parts, or nullptr where the CPU lacks them.
+const TileKernels& amx_int8_kernels();
+const TileKernels& amx_int8_emulated_kernels();
+const TileKernels* amx_int8_emulated_tiles_avx512_kernels();
 
 }  // namespace dattn::flash

@@ -54,4 +54,22 @@ struct EmulatedTiles {
       }
     std::memcpy(reg[c].bytes, acc, sizeof(acc));
   }
+  // TDPBSSD (amx_int8): for each row m, group k and column n, C[m][n] += the four products of
+  // A[m]'s signed bytes 4k..4k+3 and B[k]'s 4n..4n+3, in 32-bit wrapping integers.
+  template <int c, int a, int b>
+  static void dp_int8() {
+    Reg* reg = regs();
+    std::uint32_t acc[16][16];
+    std::memcpy(acc, reg[c].bytes, sizeof(acc));
+    for (int m = 0; m < 16; ++m)
+      for (int k = 0; k < 16; ++k)
+        for (int n = 0; n < 16; ++n) {
+          std::int32_t sum = 0;
+          for (int t = 0; t < 4; ++t)
+            sum += std::int32_t(static_cast<std::int8_t>(reg[a].bytes[m][4 * k + t])) *
+                   std::int32_t(static_cast<std::int8_t>(reg[b].bytes[k][4 * n + t]));
+          acc[m][n] += static_cast<std::uint32_t>(sum);  // |sum| <= 4 * 128 * 128: no overflow
+        }
+    std::memcpy(reg[c].bytes, acc, sizeof(acc));
+  }
 };

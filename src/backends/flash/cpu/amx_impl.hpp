@@ -153,24 +153,44 @@ inline void zero_block() {
 
 // One step over 16 pairs of the block's products: A's rows 0-15 at a and 16-31 at a + 16 rows
 // (stride lda pairs), B's columns 0-15 at b and 16-31 at b + 16 (stride ldb pairs).
-template <class T>
+// kInt8: TDPBSSD on groups of four signed bytes (amx_int8), else TDPBF16PS on bf16 pairs.
+template <class T, bool kInt8 = false>
 inline void multiply_block(const std::uint32_t* a, std::int64_t lda, const std::uint32_t* b,
                            std::int64_t ldb) {
   T::template load<4>(a, long(lda) * 4);
   T::template load<5>(a + 16 * lda, long(lda) * 4);
   T::template load<6>(b, long(ldb) * 4);
   T::template load<7>(b + 16, long(ldb) * 4);
-  T::template dp<0, 4, 6>();
-  T::template dp<1, 4, 7>();
-  T::template dp<2, 5, 6>();
-  T::template dp<3, 5, 7>();
+  if constexpr (kInt8) {
+    T::template dp_int8<0, 4, 6>();
+    T::template dp_int8<1, 4, 7>();
+    T::template dp_int8<2, 5, 6>();
+    T::template dp_int8<3, 5, 7>();
+  } else {
+    T::template dp<0, 4, 6>();
+    T::template dp<1, 4, 7>();
+    T::template dp<2, 5, 6>();
+    T::template dp<3, 5, 7>();
+  }
 }
 
+// The operands of S = Q.K^T for attend: bf16 pairs (amx), dot products scaled in the softmax's
+// exponent. amx_int8_impl.hpp has the other (int8 groups, natural-unit logits per block).
+struct Bf16Operands {
+  using Ws = Workspace;
+  static constexpr bool kInt8 = false;
+  static const std::uint32_t* k_operand(const KeyTile& t) {
+    return static_cast<const std::uint32_t*>(t.k);
+  }
+  template <class D>
+  static void to_logits(const Ws&, float*, int, const KeyTile&, int) {}
+};
+
 // TileKernels::attend: a work item panel by panel.
-template <class T, class D>
+template <class T, class D, class P = Bf16Operands>
 void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
   T::ensure();
-  const Workspace& w = *static_cast<const Workspace*>(st.ws);
+  const typename P::Ws& w = *static_cast<const typename P::Ws*>(st.ws);
   const int rows_p = st.rows_p, dv = st.dv, d2p = w.d2p;
   const KeyTile* panel[kPanelTiles];
   bool first = true, done = false;
@@ -200,31 +220,38 @@ void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
     // 8 KiB of Q, stays in L1 by itself.
     for (int r0 = 0; r0 < rows_p; r0 += 32)
       for (int c = 0; c < count; ++c) {
-        const auto* kt = static_cast<const std::uint32_t*>(panel[c]->k);
+        const std::uint32_t* kt = P::k_operand(*panel[c]);
         for (int kb = 0; kb < panel[c]->keys; kb += 32) {
           const std::uint32_t* after = nullptr;
           if (kb + 32 < panel[c]->keys)
             after = kt + kb + 32;
           else if (c + 1 < count)
-            after = static_cast<const std::uint32_t*>(panel[c + 1]->k);
+            after = P::k_operand(*panel[c + 1]);
           else if (r0 + 32 < rows_p)
-            after = static_cast<const std::uint32_t*>(panel[0]->k);
+            after = P::k_operand(*panel[0]);
           zero_block<T>();
           for (int e = 0; e < d2p; e += kPairsPerTile) {
-            multiply_block<T>(w.q + std::int64_t(r0) * d2p + e, d2p,
-                              kt + std::int64_t(e) * kTileKeys + kb, kTileKeys);
+            multiply_block<T, P::kInt8>(w.q + std::int64_t(r0) * d2p + e, d2p,
+                                        kt + std::int64_t(e) * kTileKeys + kb, kTileKeys);
             if (after != nullptr)
               for (int i = e; i < e + kPairsPerTile; ++i) {
                 __builtin_prefetch(after + std::int64_t(i) * kTileKeys, 0, 3);
                 __builtin_prefetch(after + std::int64_t(i) * kTileKeys + 16, 0, 3);
               }
           }
-          store_block<T>(w.s + std::int64_t(r0) * kLdS + c * kTileKeys + kb, kLdS);
+          float* block = w.s + std::int64_t(r0) * kLdS + c * kTileKeys + kb;
+          store_block<T>(block, kLdS);
+          P::template to_logits<D>(w, block, r0, *panel[c], kb);
         }
       }
 
-    // The softmax: the scale folded into the exponent, unless the driver must see the logits.
-    if (hook) {
+    if constexpr (P::kInt8) {
+      // Natural-unit logits already (the scales folded in per block): the hook, then the
+      // softmax of logits.
+      for (int c = 0; c < count; ++c)
+        if (panel[c]->hook) keys.logits(keys.ctx, *panel[c], w.s + c * kTileKeys, kLdS, 1);
+    } else if (hook) {
+      // The softmax: the scale folded into the exponent, unless the driver must see the logits.
       const auto sc = D::set1(w.scale);
       const int width = (total + 15) / 16 * 16;
       for (int r = 0; r < rows_p; ++r)
@@ -237,8 +264,8 @@ void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
     }
     // P as pairs over keys straight from the softmax, zeros up to whole 16-pair steps.
     const int k2 = (total + 1) / 2, k2p = (k2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
-    kk.softmax_rows_pairs(w.s, kLdS, rows_p, total, w.scale, !hook, st.m, st.l, st.alpha, w.p, kLdP,
-                          k2p);
+    kk.softmax_rows_pairs(w.s, kLdS, rows_p, total, P::kInt8 ? 1.0f : w.scale, !P::kInt8 && !hook,
+                          st.m, st.l, st.alpha, w.p, kLdP, k2p);
 
     // O *= alpha for the rows whose reference moved (the lazy max: seldom after the first
     // panels), then O += P.V through the tiles.

@@ -34,6 +34,15 @@ struct EmulatedBf16Ops {
     for (int i = 0; i < W; ++i) r.v[i] = std::fma(a.v[i], 0.0f, a.v[i]);
     return r;
   }
+  // amx_int8's logits of 16 keys of one row (avx512_bf16_ops.hpp's int8_logits16).
+  static void int8_logits16(const void* c, float qs, const float* ks, const float* kb, float* out) {
+    std::int32_t v[W];
+    std::memcpy(v, c, sizeof(v));
+    for (int i = 0; i < W; ++i) {
+      const float x = std::fma(static_cast<float>(v[i]) * qs, ks[i], kb[i]);
+      out[i] = std::fma(x, 0.0f, x);
+    }
+  }
   // A bf16 input with a zero exponent (zero or denormal) reads as a signed zero.
   static float daz(std::uint32_t bits16) {
     if ((bits16 & 0x7f80u) == 0) bits16 &= 0x8000u;

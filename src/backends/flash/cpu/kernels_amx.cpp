@@ -25,16 +25,17 @@
 #include <immintrin.h>
 
 #if defined(__clang__)
-#pragma clang attribute push(                                                                \
-    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16," \
-                          "avx2,fma,f16c"))),                                                \
+#pragma clang attribute push(                                                              \
+    __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512dq,avx512vl," \
+                          "avx512bf16,avx2,fma,f16c"))),                                   \
     apply_to = function)
 #else
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
+#pragma GCC target( \
+    "amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 #endif
 
 namespace dattn::flash {
@@ -99,10 +100,23 @@ struct Tiles {
     static_assert((c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) ||
                   (c == 2 && a == 5 && b == 6) || (c == 3 && a == 5 && b == 7));
   }
+  // amx_int8: TDPBSSD (signed bytes, int32 accumulators); used only where the CPU has AMX-INT8.
+  template <int c, int a, int b>
+  static void dp_int8() {
+    if constexpr (c == 0 && a == 4 && b == 6) _tile_dpbssd(0, 4, 6);
+    if constexpr (c == 1 && a == 4 && b == 7) _tile_dpbssd(1, 4, 7);
+    if constexpr (c == 2 && a == 5 && b == 6) _tile_dpbssd(2, 5, 6);
+    if constexpr (c == 3 && a == 5 && b == 7) _tile_dpbssd(3, 5, 7);
+    static_assert((c == 0 && a == 4 && b == 6) || (c == 1 && a == 4 && b == 7) ||
+                  (c == 2 && a == 5 && b == 6) || (c == 3 && a == 5 && b == 7));
+  }
 };
 
 #include "backends/flash/cpu/amx_emulated_tiles.hpp"
 #include "backends/flash/cpu/amx_impl.hpp"
+#include "backends/flash/cpu/int8_impl.hpp"
+// int8_impl.hpp before: its codes and scales.
+#include "backends/flash/cpu/amx_int8_impl.hpp"
 
 // The row softmax of the AVX-512 kernels, its probabilities from a degree-3 exponential on
 // x - floor(x) (kExp2PolyBf16) and rounded to bf16 by vcvtneps2bf16 (round to nearest even, NaN
@@ -127,6 +141,11 @@ constexpr Bf16Functions kFunctions =
 // The same engine on emulated tiles: amx_emulated where the CPU has AVX-512 BF16.
 constexpr Bf16Functions kEmulatedTileFunctions =
     amx_functions<EmulatedTiles, Avx512Bf16Ops>(&softmax_rows_pairs<SoftmaxVec>);
+// amx_int8, and its twin on emulated tiles with these vector parts.
+constexpr Bf16Functions kInt8Functions =
+    amx_int8_functions<Tiles, Avx512Bf16Ops>(&softmax_rows_pairs<SoftmaxVec>);
+constexpr Bf16Functions kInt8EmulatedTileFunctions =
+    amx_int8_functions<EmulatedTiles, Avx512Bf16Ops>(&softmax_rows_pairs<SoftmaxVec>);
 
 }  // namespace amx_impl
 }  // namespace dattn::flash
@@ -153,6 +172,17 @@ const TileKernels* amx_emulated_tiles_avx512_kernels() {
       bf16_tile_kernels("amx_emulated", avx512_kernels(), amx_impl::kEmulatedTileFunctions);
   return &k;
 }
+const TileKernels& amx_int8_kernels() {
+  static const TileKernels k =
+      amx_impl::amx_int8_tile_kernels("amx_int8", avx512_kernels(), amx_impl::kInt8Functions);
+  return k;
+}
+const TileKernels* amx_int8_emulated_tiles_avx512_kernels() {
+  if (amx_emulated_tiles_avx512_kernels() == nullptr) return nullptr;
+  static const TileKernels k = amx_impl::amx_int8_tile_kernels(
+      "amx_int8_emulated", avx512_kernels(), amx_impl::kInt8EmulatedTileFunctions);
+  return &k;
+}
 }  // namespace dattn::flash
 #else
 namespace dattn::flash {
@@ -160,6 +190,12 @@ const TileKernels& amx_kernels() {
   return amx_emulated_kernels();
 }
 const TileKernels* amx_emulated_tiles_avx512_kernels() {
+  return nullptr;
+}
+const TileKernels& amx_int8_kernels() {
+  return amx_int8_emulated_kernels();
+}
+const TileKernels* amx_int8_emulated_tiles_avx512_kernels() {
   return nullptr;
 }
 }  // namespace dattn::flash

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <string_view>
 #include <vector>
 
 #include "backends/flash/kernels.hpp"
@@ -27,6 +29,10 @@ namespace amx_emulated_impl {
 
 #include "backends/flash/cpu/amx_impl.hpp"
 
+#include "backends/flash/cpu/int8_impl.hpp"
+
+#include "backends/flash/cpu/amx_int8_impl.hpp"
+
 }  // namespace amx_emulated_impl
 
 // On CPUs with AVX-512 BF16 the twin is the amx engine itself with emulated tiles (the real
@@ -38,6 +44,19 @@ const TileKernels& amx_emulated_kernels() {
         "amx_emulated", portable_kernels(),
         amx_emulated_impl::amx_functions<amx_emulated_impl::EmulatedTiles,
                                          amx_emulated_impl::EmulatedBf16Ops>());
+  }();
+  return k;
+}
+
+// amx_int8's twin: on CPUs with AVX-512 BF16 the real engine's vector parts with emulated tiles
+// (kernels_amx.cpp), elsewhere all portable.
+const TileKernels& amx_int8_emulated_kernels() {
+  static const TileKernels k = [] {
+    if (const TileKernels* vector = amx_int8_emulated_tiles_avx512_kernels()) return *vector;
+    return amx_emulated_impl::amx_int8_tile_kernels(
+        "amx_int8_emulated", portable_kernels(),
+        amx_emulated_impl::amx_int8_functions<amx_emulated_impl::EmulatedTiles,
+                                              amx_emulated_impl::EmulatedBf16Ops>());
   }();
   return k;
 }

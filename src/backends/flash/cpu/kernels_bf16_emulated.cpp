@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "backends/flash/kernels.hpp"
 #include "dattn/dtype.hpp"
