@@ -67,7 +67,7 @@ string(JSON f32_peak_type TYPE "${INFO_OUT}" peak_gflops f32_fma)
 if(NOT f32_peak_type STREQUAL "NUMBER")
   message(FATAL_ERROR "dattn info --json: peak_gflops.f32_fma is not a number:\n${INFO_OUT}")
 endif()
-foreach(kind bf16_dot amx_bf16)
+foreach(kind bf16_dot amx_bf16 int8_dot amx_int8)
   string(JSON kind_type ERROR_VARIABLE json_error TYPE "${INFO_OUT}" peak_gflops ${kind})
   string(JSON why_type ERROR_VARIABLE why_error TYPE "${INFO_OUT}" peak_gflops
          ${kind}_unavailable)

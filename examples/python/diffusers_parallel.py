@@ -95,6 +95,7 @@ class Timers:
     outside = {"all_gather": "output_all_gather", "forward_op": "attention_not_split"}
 
     def __init__(self):
+        self.undo = []
         self.inside = False
         self.seconds: Dict[str, float] = {}
         self.calls: Dict[str, int] = {}
@@ -119,7 +120,14 @@ class Timers:
             return out
 
         setattr(owner, attr, timed)
+        self.undo.append((owner, attr, fn))
         return fn
+
+    def restore(self):
+        """Puts the wrapped functions back (a one-process run shares the caller's modules)."""
+        while self.undo:
+            owner, attr, fn = self.undo.pop()
+            setattr(owner, attr, fn)
 
     def reset(self):
         self.seconds.clear()
@@ -178,6 +186,8 @@ def run_rank(rank: int, world: int, init: Optional[str], args, out_path: str) ->
                       calls=dict(timers.calls), shape=list(out.shape))
     except Exception as e:  # noqa: BLE001 - reported
         result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        timers.restore()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

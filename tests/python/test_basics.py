@@ -45,5 +45,8 @@ def test_measured_peaks_name_every_kind():
     # AMX needs the CPU's tiles and Linux's permission; absent (None) otherwise, never an error.
     assert "amx_bf16" in peak
     assert peak["amx_bf16"] is None or peak["amx_bf16"] > 0
-    for kind in ("bf16_dot", "amx_bf16"):
+    assert peak["amx_int8"] is None or peak["amx_int8"] > 0
+    if peak["amx_bf16"] is None:
+        assert peak["amx_int8"] is None
+    for kind in ("bf16_dot", "amx_bf16", "int8_dot", "amx_int8"):
         assert (peak[kind] is None) == bool(peak[kind + "_unavailable"]), kind

@@ -63,11 +63,15 @@ def _single(model_name, dtype=torch.float32, backend="dattn"):
     model, inputs = getattr(td, model_name)()
     if dtype != torch.float32:
         model, inputs = model.to(dtype), td.to_dtype(inputs, dtype)
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    active = registry._active_backend  # set_attention_backend sets the process-wide one too
     model.set_attention_backend(backend)
     try:
         return td.run(model, inputs)
     finally:
         model.reset_attention_backend()
+        registry._active_backend = active
 
 
 def _rel_to_max(got, want):

@@ -62,7 +62,9 @@ def test_diffusers_parallel(degrees, keep_torch_threads, capsys):
     pytest.importorskip("diffusers")
     tiny = ["--model", "flux", "--image-tokens", "64", "--text-tokens", "16", "--heads", "2",
             "--head-dim", "32", "--reps", "1"]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     results = load("diffusers_parallel").main(tiny + degrees)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa  # nothing left wrapped
     assert "error" not in results, results
     assert results["shape"] == [1, 64, 64] and results["forward_s"] > 0
     s = results["seconds"]

@@ -64,6 +64,7 @@ def test_info_under_a_cpu_feature_mask(mask):
     allowed = {"portable", "portable_int8"} | ({"avx2", "avx2_int8"} if mask == "avx2" else set())
     assert real <= allowed, available
     assert data["peak_gflops"]["bf16_dot"] is None and data["peak_gflops"]["amx_bf16"] is None
+    assert data["peak_gflops"]["amx_int8"] is None and data["peak_gflops"]["amx_int8_unavailable"]
 
 
 def test_a_bad_cpu_feature_mask_is_a_typed_error():
