@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/amx_permission.hpp"
@@ -212,12 +213,24 @@ constexpr std::array<std::uint16_t, kTileRows * kTileColsb / 2> amx_operand(std:
 alignas(64) constexpr auto kAmxA = amx_operand(0x3f00, 0xbf00);  // (0.5, -0.5)
 alignas(64) constexpr auto kAmxB = amx_operand(0x3e80, 0x3e80);  // (0.25, 0.25)
 
+// TDPBSSD (amx_int8) on the same tiles: A's bytes are (1, -1, 1, -1) and B's all 1, so each
+// group's four products cancel and the int32 accumulators keep their start values.
+alignas(64) constexpr auto kAmxA8 = amx_operand(0xff01, 0xff01);  // bytes 1, -1, 1, -1
+alignas(64) constexpr auto kAmxB8 = amx_operand(0x0101, 0x0101);  // bytes 1, 1, 1, 1
+constexpr double kAmxInt8OpsPerIter = kAmxAccumulators * 16.0 * 16 * 64 * 2;
+
 // Run on each thread: ldtilecfg is per thread, and tilerelease hands the tile state back so
 // that the kernel need not save it on every context switch. Tile numbers are immediates.
-__attribute__((target("amx-tile,amx-bf16"))) float dot_amx_bf16(long long iters, float seed) {
-  alignas(64) float c[kAmxAccumulators][kTileRows * kTileColsb / 4];
+// kInt8: tdpbssd on int32 accumulators (executed only where the CPU has AMX-INT8), else
+// tdpbf16ps on f32 ones.
+template <bool kInt8>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) float dot_amx(long long iters, float seed) {
+  using Acc = std::conditional_t<kInt8, std::int32_t, float>;
+  alignas(64) Acc c[kAmxAccumulators][kTileRows * kTileColsb / 4];
   for (int t = 0; t < kAmxAccumulators; ++t)
-    for (float& x : c[t]) x = seed + static_cast<float>(t);
+    for (Acc& x : c[t]) x = static_cast<Acc>(seed) + static_cast<Acc>(t);
+  const void* a = kInt8 ? kAmxA8.data() : kAmxA.data();
+  const void* b = kInt8 ? kAmxB8.data() : kAmxB.data();
   // GCC's tile intrinsics are asm statements that read memory through pointers they do not
   // declare as memory inputs: make the stores above happen before the tile loads.
   __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
@@ -226,15 +239,22 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_amx_bf16(long long iters,
   _tile_loadd(1, c[1], kTileColsb);
   _tile_loadd(2, c[2], kTileColsb);
   _tile_loadd(3, c[3], kTileColsb);
-  _tile_loadd(4, kAmxA.data(), kTileColsb);
-  _tile_loadd(5, kAmxA.data(), kTileColsb);
-  _tile_loadd(6, kAmxB.data(), kTileColsb);
-  _tile_loadd(7, kAmxB.data(), kTileColsb);
+  _tile_loadd(4, a, kTileColsb);
+  _tile_loadd(5, a, kTileColsb);
+  _tile_loadd(6, b, kTileColsb);
+  _tile_loadd(7, b, kTileColsb);
   for (long long i = 0; i < iters; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (kInt8) {
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, c[0], kTileColsb);
   _tile_stored(1, c[1], kTileColsb);
@@ -244,46 +264,14 @@ __attribute__((target("amx-tile,amx-bf16"))) float dot_amx_bf16(long long iters,
   __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
   float total = 0;
   for (const auto& tile : c)
-    for (float x : tile) total += x;
+    for (Acc x : tile) total += static_cast<float>(x);
   return total;
 }
-
-// TDPBSSD on the same tiles: A's bytes are (1, -1, 1, -1) and B's all 1, so each group's four
-// products cancel and the int32 accumulators keep their start values.
-alignas(64) constexpr auto kAmxA8 = amx_operand(0xff01, 0xff01);  // bytes 1, -1, 1, -1
-alignas(64) constexpr auto kAmxB8 = amx_operand(0x0101, 0x0101);  // bytes 1, 1, 1, 1
-constexpr double kAmxInt8OpsPerIter = kAmxAccumulators * 16.0 * 16 * 64 * 2;
-
-__attribute__((target("amx-tile,amx-int8"))) float dot_amx_int8(long long iters, float seed) {
-  alignas(64) std::int32_t c[kAmxAccumulators][kTileRows * kTileColsb / 4];
-  for (int t = 0; t < kAmxAccumulators; ++t)
-    for (std::int32_t& x : c[t]) x = static_cast<std::int32_t>(seed) + t;
-  __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
-  _tile_loadconfig(detail::kAmxTileConfig.data());
-  _tile_loadd(0, c[0], kTileColsb);
-  _tile_loadd(1, c[1], kTileColsb);
-  _tile_loadd(2, c[2], kTileColsb);
-  _tile_loadd(3, c[3], kTileColsb);
-  _tile_loadd(4, kAmxA8.data(), kTileColsb);
-  _tile_loadd(5, kAmxA8.data(), kTileColsb);
-  _tile_loadd(6, kAmxB8.data(), kTileColsb);
-  _tile_loadd(7, kAmxB8.data(), kTileColsb);
-  for (long long i = 0; i < iters; ++i) {
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
-  }
-  _tile_stored(0, c[0], kTileColsb);
-  _tile_stored(1, c[1], kTileColsb);
-  _tile_stored(2, c[2], kTileColsb);
-  _tile_stored(3, c[3], kTileColsb);
-  _tile_release();
-  __asm__ __volatile__("" : : "r"(&c[0][0]) : "memory");
-  float total = 0;
-  for (const auto& tile : c)
-    for (std::int32_t x : tile) total += static_cast<float>(x);
-  return total;
+float dot_amx_bf16(long long iters, float seed) {
+  return dot_amx<false>(iters, seed);
+}
+float dot_amx_int8(long long iters, float seed) {
+  return dot_amx<true>(iters, seed);
 }
 
 #endif  // __x86_64__

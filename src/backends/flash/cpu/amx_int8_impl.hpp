@@ -62,25 +62,17 @@ inline std::uint32_t int8_group(const float* x, std::int64_t stride, int n, floa
 
 inline void int8_tile_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
   auto* ks = static_cast<float*>(tile);
-  auto* sums = reinterpret_cast<std::int32_t*>(ks + kTileKeys);
   auto* groups =
       reinterpret_cast<std::uint32_t*>(static_cast<unsigned char*>(tile) + int8_k_header_bytes());
   const int dgp = int8_groups_padded(d);
-  std::fill(ks, ks + 3 * kTileKeys, 0.0f);  // scales, sums (0 bits) and key terms
+  // Scales, code sums and key terms: tdpbssd multiplies signed by signed bytes, so the sums
+  // (the unsigned-by-signed engines' correction) stay 0.
+  std::fill(ks, ks + 3 * kTileKeys, 0.0f);
   std::fill(groups, groups + std::int64_t(dgp) * kTileKeys, 0u);
   for (int j = 0; j < keys; ++j) {
     const float* row = k + j * ld;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int e = 0; e < d; ++e) {
-      finite = finite && std::isfinite(row[e]);
-      amax = std::max(amax, std::fabs(row[e]));
-    }
-    const Quant qn = quant_of(amax, finite);
+    const Quant qn = quant_of_row(row, d);
     ks[j] = qn.scale;
-    std::int32_t sum = 0;
-    for (int e = 0; e < d; ++e) sum += code_of(row[e], qn.inv);
-    sums[j] = sum;
     for (int g = 0; g * 4 < d; ++g)
       groups[std::int64_t(g) * kTileKeys + j] = int8_group(row + 4 * g, 1, d - 4 * g, qn.inv);
   }

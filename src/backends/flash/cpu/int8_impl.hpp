@@ -78,6 +78,17 @@ inline Quant quant_of(float amax, bool finite) {
   return {amax / 127.0f, inv};
 }
 
+// The quantization of the n values of one row or key (its largest magnitude, its finiteness).
+inline Quant quant_of_row(const float* x, int n) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int e = 0; e < n; ++e) {
+    finite = finite && std::isfinite(x[e]);
+    amax = std::max(amax, std::fabs(x[e]));
+  }
+  return quant_of(amax, finite);
+}
+
 inline int code_of(float x, float inv) {
   const float c = std::nearbyint(x * inv);  // round half to even
   if (std::isnan(c)) return 0;              // a value that is not finite (its scale is NaN)
@@ -132,13 +143,7 @@ void int8_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
   std::fill(kb, kb + kTileKeys, 0.0f);
   for (int j = 0; j < keys; ++j) {
     const float* row = k + j * ld;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int e = 0; e < d; ++e) {
-      finite = finite && std::isfinite(row[e]);
-      amax = std::max(amax, std::fabs(row[e]));
-    }
-    const Quant qn = quant_of(amax, finite);
+    const Quant qn = quant_of_row(row, d);
     ks[j] = qn.scale;
     std::int32_t sum = 0;
     for (int g = 0; g < dg; ++g) {
