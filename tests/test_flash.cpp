@@ -214,7 +214,7 @@ TEST(FlashKernels, StoreRowRoundsLikeTheScalarConversions) {
     const flash::TileKernels& k = engine.kernels();
     for (DType dt : {DType::BF16, DType::F16}) {
       std::vector<std::uint16_t> got(src.size()), want(src.size());
-      k.store_row(src.data(), 1.0f, std::int64_t(src.size()), dt, got.data());
+      k.rows_io.store_row(src.data(), 1.0f, std::int64_t(src.size()), dt, got.data());
       for (std::size_t n = 0; n < src.size(); ++n)
         want[n] = dt == DType::BF16 ? f32_to_bf16(src[n]) : f32_to_f16(src[n]);
       for (std::size_t n = 0; n < src.size(); ++n) {
@@ -698,7 +698,7 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
   const flash::Engine& e = engine(GetParam());
   if (const auto why = e.unavailable()) GTEST_SKIP() << GetParam() << ": " << *why;
   const flash::TileKernels& kk = e.kernels();
-  ASSERT_NE(kk.softmax_rows_pairs, nullptr);
+  ASSERT_NE(kk.row_softmax.softmax_rows_pairs, nullptr);
   // 37 rows: two groups of 16 where an engine reduces rows in groups, and a tail; the special
   // rows in the first group, the second and the tail.
   constexpr int kRows = 37, kLds = 272, kLdp = 144;
@@ -729,9 +729,10 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
         const std::vector<float> logits = s;
         std::vector<float> s2 = s;
         std::vector<std::uint32_t> p(kRows * kLdp, 0xdeadbeefu);
-        kk.softmax_rows(s.data(), kLds, kRows, keys, kScale, raw, m1.data(), l1.data(), a1.data());
-        kk.softmax_rows_pairs(s2.data(), kLds, kRows, keys, kScale, raw, m2.data(), l2.data(),
-                              a2.data(), p.data(), kLdp, pairs);
+        kk.row_softmax.softmax_rows(s.data(), kLds, kRows, keys, kScale, raw, m1.data(), l1.data(),
+                                    a1.data());
+        kk.row_softmax.softmax_rows_pairs(s2.data(), kLds, kRows, keys, kScale, raw, m2.data(),
+                                          l2.data(), a2.data(), p.data(), kLdp, pairs);
         const std::string what = GetParam() + " keys " + std::to_string(keys) +
                                  (raw ? " raw" : " natural") + " panel " + std::to_string(panel);
         for (int r = 0; r < kRows; ++r) {

@@ -125,17 +125,17 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
         const flash::TileKernels& kk = e->kernels();
         const int rows_p = (rows + kk.row_align - 1) / kk.row_align * kk.row_align;
         ASSERT_LE(rows_p, 128);
-        std::vector<unsigned char> ws(kk.workspace_bytes(rows_p, d, 64) + 64),
-            tile(kk.k_tile_bytes(d) + 64);
+        std::vector<unsigned char> ws(kk.formats.workspace_bytes(rows_p, d, 64) + 64),
+            tile(kk.formats.k_tile_bytes(d) + 64);
         const auto align = [](unsigned char* p) {
           return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(p) + 63) / 64 * 64);
         };
         void* w = align(ws.data());
         void* t = align(tile.data());
-        kk.pack_q(qt.data(), 128, rows_p, d, 64, 0.125f, w);
-        kk.pack_k(k.data(), d + 16, keys, d, t);
+        kk.formats.pack_q(qt.data(), 128, rows_p, d, 64, 0.125f, w);
+        kk.formats.pack_k(k.data(), d + 16, keys, d, t);
         std::vector<float> st(std::size_t(keys) * 144, -1.0f);
-        kk.qk(t, 0, qt.data(), 128, st.data(), 144, keys, rows_p, d, w);
+        kk.steps.qk(t, 0, qt.data(), 128, st.data(), 144, keys, rows_p, d, w);
         std::vector<float> mine;
         for (int j = 0; j < keys; ++j)
           for (int r = 0; r < rows; ++r) mine.push_back(st[std::size_t(j) * 144 + r]);
@@ -277,6 +277,67 @@ TEST(Sage, VideoSparseRunsOnTheInt8Engines) {
     ADD_FAILURE() << "qk_dtype int4 accepted";
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(e.field(), "qk_dtype");
+  }
+}
+
+// VIDEO_SPARSE with qk_dtype int8 smooths K as SAGE does (one driver): per (batch item, KV head)
+// over its visible keys and the valid queries of its query heads. On DiT-like inputs with GQA
+// and a key-padding mask, every int8 engine keeps SAGE's accuracy against REFERENCE (every
+// block selected) and the LSE; with smooth_k off the error grows; a sparse selection equals
+// VIDEO_SPARSE's f32 answer for the same blocks to SAGE's accuracy; smooth_k must be a bool.
+TEST(Sage, VideoSparseInt8SmoothsLikeSage) {
+  const i64 s = 160, hq = 4, hkv = 2, d = 64;
+  DitLike x = dit_like(s, hkv, d, 61);
+  Tensor q = dit_like(s, hq, d, 62).q;
+  Tensor mask = Tensor::zeros({1, s}, DType::Bool);
+  for (i64 j = 0; j < s; ++j) mask.data_as<std::uint8_t>()[j] = j < 131 ? 1 : 0;
+  AttentionMetadata m;
+  m.attn_mask = mask.view();
+  for (const flash::Engine* e : int8_engines()) {
+    SCOPED_TRACE(e->name);
+    AttentionConfig c = testing::layer_config("VIDEO_SPARSE", hq, hkv, d);
+    c.backend_options["topk"] = i64(1000);
+    c.backend_options["qk_dtype"] = std::string("int8");
+    c.backend_options["isa"] = std::string(e->name);
+    const ForwardResult want = reference(c, q, x.k, x.v, m);
+    const ForwardResult got = Attention(c).forward(q.view(), x.k.view(), x.v.view(), m, true);
+    const HeadAccuracy a = per_head(got.out, want.out);
+    EXPECT_GE(a.worst_cosine, 0.9995);
+    EXPECT_LE(a.worst_rel_l1, 0.01);
+    const std::vector<double> gl = testing::to_vector(got.lse->view()),
+                              wl = testing::to_vector(want.lse->view());
+    for (std::size_t i = 0; i < gl.size(); ++i) {
+      if (std::isinf(wl[i])) {  // a padding row (the key mask hides its query too)
+        EXPECT_EQ(gl[i], wl[i]) << i;
+        continue;
+      }
+      ASSERT_NEAR(gl[i], wl[i], 5e-2) << i;
+    }
+    c.backend_options["smooth_k"] = false;
+    const HeadAccuracy raw =
+        per_head(Attention(c).forward(q.view(), x.k.view(), x.v.view(), m).out, want.out);
+    std::printf(
+        "[ accuracy ] VIDEO_SPARSE %-22s smoothed: cosine %.6f rel L1 %.4f%%; "
+        "unsmoothed: cosine %.6f rel L1 %.4f%%\n",
+        std::string(e->name).c_str(), a.worst_cosine, 100 * a.worst_rel_l1, raw.worst_cosine,
+        100 * raw.worst_rel_l1);
+    EXPECT_GT(raw.worst_rel_l1, a.worst_rel_l1);
+  }
+  AttentionConfig c = testing::layer_config("VIDEO_SPARSE", hq, hkv, d);
+  c.backend_options["topk"] = i64(2);
+  c.backend_options["tile"] = std::string("1,1,32");
+  const ForwardResult f32 = Attention(c).forward(q.view(), x.k.view(), x.v.view(), m);
+  c.backend_options["qk_dtype"] = std::string("int8");
+  const ForwardResult int8 = Attention(c).forward(q.view(), x.k.view(), x.v.view(), m);
+  const HeadAccuracy sparse = per_head(int8.out, f32.out);
+  EXPECT_GE(sparse.worst_cosine, 0.9995);
+  EXPECT_LE(sparse.worst_rel_l1, 0.01);
+  c.backend_options["balance_qk"] = std::string("no");
+  try {
+    (void)Attention(c);
+    ADD_FAILURE() << "balance_qk 'no' accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.field(), "balance_qk");
   }
 }
 

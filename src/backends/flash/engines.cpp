@@ -4,6 +4,7 @@
 #include <array>
 #include <cstdlib>
 #include <string>
+#include <variant>
 
 #include "core/amx_permission.hpp"
 #include "core/cpu_peak.hpp"
@@ -234,6 +235,13 @@ PvDtype parse_pv_dtype(const BackendOptions& options) {
                             (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
                             " is not valid; valid: auto (the default: bf16 where the engine has "
                             "a bf16 P.V on this CPU, else f32), bf16, f32");
+}
+
+bool parse_bool_option(const BackendOptions& options, const std::string& name) {
+  const auto it = options.find(name);
+  if (it == options.end()) return true;
+  if (const auto* b = std::get_if<bool>(&it->second)) return *b;
+  throw InvalidArgument(name, "backend option " + name + " must be a bool (default true)");
 }
 
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {

@@ -79,6 +79,9 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
 // a bf16 base on this CPU, else f32), bf16, f32. InvalidArgument naming pv_dtype otherwise.
 enum class PvDtype { automatic, bf16, f32 };
 PvDtype parse_pv_dtype(const BackendOptions& options);
+// A bool backend option (SAGE's smooth_k, balance_qk): true when absent; InvalidArgument naming
+// it when not a bool.
+bool parse_bool_option(const BackendOptions& options, const std::string& name);
 // The kernels of int8 engine `e` with P.V in `pv`; NotAvailable naming pv_dtype where the engine
 // has no bf16 P.V on this CPU.
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv);

@@ -27,13 +27,13 @@
 #include <vector>
 
 #include "backends/flash/engines.hpp"
+#include "backends/flash/item_driver.hpp"
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "core/huge_page_buffer.hpp"
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
-#include "core/parallel_fault.hpp"
 #include "core/threads.hpp"
 #include "core/workspace_pool.hpp"
 #include "dattn/cpu_info.hpp"
@@ -67,8 +67,8 @@ struct MergeGroup {
 };
 
 // SAGE's smoothing per panel group: d floats each of the mean key, the channel balance and the
-// mean query (Worker::smoothing).
-constexpr std::size_t kSmoothFloats = 3;
+// mean query (item_driver.hpp, Smoothing).
+constexpr std::size_t kSmoothFloats = Smoothing::kFloatsPerChannel;
 
 struct PaddingRows {
   i64 batch, i0, i1;
@@ -122,7 +122,8 @@ class FlashPlan final : public Plan {
     if (chosen.compute == ComputeDtype::int8)
       os << ", Q and K as int8 per row and key" << (smooth_k ? ", K smoothed" : "")
          << (balance_qk ? ", channels balanced" : "") << ", P.V on "
-         << (kernels.attend != nullptr ? std::string("bf16 tiles") : std::string(kernels.engine));
+         << (!kernels.loop.tile_by_tile() ? std::string("bf16 tiles")
+                                          : std::string(kernels.engine));
     return os.str();
   }
 
@@ -144,8 +145,8 @@ class FlashPlan final : public Plan {
   int threads = 1;
   std::vector<WorkItem> items;
   std::vector<PaddingRows> padding;
+  ItemShape shape;  // every work item's scratch (item_driver.hpp)
   std::size_t scratch_floats = 0;
-  std::size_t workspace_bytes = 0;  // the engine's, inside scratch_floats
   // Split-KV, when there are fewer query blocks than threads: partial results of
   // `partial_rows` rows x (dv + 2) floats per slot (`partial_floats` in all), merged by groups.
   // Each run leases its own partials from the pool, so concurrent runs of one plan neither
@@ -169,63 +170,27 @@ class FlashPlan final : public Plan {
   }
 };
 
-// Per-thread scratch carved out of one buffer (padded strides: see kStridePad).
-// `ws` is the engine's workspace (TileKernels::workspace_bytes), 64-byte aligned; null for the
-// f32 engines.
+// Per-thread scratch: a work item's (item_driver.hpp) and, after it, the f32 rows of one K and
+// one V tile staged for the engine's packing (strides FlashPlan::ld_k / ld_v), and the item's
+// per-row key ends.
 struct Scratch {
-  float *qt, *st, *o, *k, *v, *m, *l, *alpha, *row;
-  void* ws;
+  ItemScratch item;
+  float *k, *v;
   i64* kend;
-  i64 ld_rows, ld_o, ld_k, ld_v;  // strides of qt/st, o, k, v
 
-  static std::size_t workspace_bytes(const TileKernels& kk, i64 rows_p, i64 d, i64 dvp) {
-    if (kk.workspace_bytes == nullptr) return 0;
-    return kk.workspace_bytes(int(rows_p), int(d), int(dvp));
-  }
-  static std::size_t floats(i64 rows_p, i64 d, i64 dvp, std::size_t ws_bytes, bool tile_by_tile) {
-    ScratchLayout count;
-    (void)carve(count, nullptr, rows_p, d, dvp, ws_bytes, tile_by_tile);
-    return count.floats();
-  }
-  static Scratch carve(ScratchLayout& at, i64* row_ends, i64 rows_p, i64 d, i64 dvp,
-                       std::size_t ws_bytes, bool tile_by_tile) {
-    Scratch s{};
-    if (ws_bytes > 0) {  // first, with 64 bytes of slack to align it
-      constexpr i64 kAlignFloats = 64 / sizeof(float);
-      float* raw = at.take(i64(ws_bytes / sizeof(float)) + kAlignFloats);
-      const auto addr = reinterpret_cast<std::uintptr_t>(raw);
-      s.ws = raw == nullptr ? nullptr : reinterpret_cast<void*>((addr + 63) / 64 * 64);
-    }
-    s.ld_rows = rows_p + kStridePad;
-    s.ld_o = dvp + kStridePad;
-    s.ld_k = d + kStridePad;
-    s.ld_v = dvp + kStridePad;
-    s.qt = at.take(d * s.ld_rows);
-    // S^T of one tile: the tile-by-tile engines' (kernels.hpp); engines with their own inner
-    // loop keep their logits in their workspace.
-    s.st = tile_by_tile ? at.take(kBlockKeys * s.ld_rows) : nullptr;
-    s.o = at.take(rows_p * s.ld_o);
-    s.k = at.take(kBlockKeys * s.ld_k);
-    s.v = at.take(kBlockKeys * s.ld_v);
-    s.m = at.take(rows_p);
-    s.l = at.take(rows_p);
-    s.alpha = at.take(rows_p);
-    s.row = at.take(std::max(d, dvp));
-    s.kend = row_ends;
+  static Scratch carve(ScratchLayout& at, const ItemShape& shape, i64 ld_k, i64 ld_v,
+                       i64* row_ends) {
+    Scratch s{shape.carve(at), nullptr, nullptr, row_ends};
+    s.k = at.take(kBlockKeys * ld_k);
+    s.v = at.take(kBlockKeys * ld_v);
     return s;
   }
+  static std::size_t floats(const ItemShape& shape, i64 ld_k, i64 ld_v) {
+    ScratchLayout count;
+    (void)carve(count, shape, ld_k, ld_v, nullptr);
+    return count.floats();
+  }
 };
-
-// This thread's scratch: floats and per-row key ends.
-struct ThreadBuffers {
-  float* floats;
-  i64* row_ends;
-};
-ThreadBuffers thread_buffers(std::size_t floats, std::size_t rows) {
-  thread_local std::vector<i64> r;
-  if (r.size() < rows) r.resize(rows);
-  return {thread_floats(floats), r.data()};
-}
 
 class Worker {
  public:
@@ -252,120 +217,65 @@ class Worker {
   // Packs tile `tile` of panel group `g` (the wave's panel buffer): K and V rows converted to
   // f32 straight into it (f32 engines) or through this thread's scratch into the engine's
   // format.
-  void pack_tile(std::size_t g, i64 tile, const ThreadBuffers& buffers) const {
+  void pack_tile(std::size_t g, i64 tile, DriverThread& thread) const {
     const PanelGroup& group = plan_.groups[g];
     const Segment& seg = p_.segments[group.segment];
     const i64 j0 = seg.k_begin + tile * kBlockKeys, n = std::min(kBlockKeys, seg.k_end - j0);
     unsigned char* at = panel_ + group.offset + std::size_t(tile) * plan_.tile_bytes();
-    const i64 d = p_.d, dvp = plan_.dv_padded;
+    const i64 d = p_.d;
     const i64 ahead = std::min(kBlockKeys, seg.k_end - j0 - n);  // the next tile's rows
-    if (kk_.pack_k == nullptr) {
+    if (!kk_.formats.own()) {
       convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d,
                    reinterpret_cast<float*>(at), plan_.ld_k, ahead);
       convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv,
                    reinterpret_cast<float*>(at + plan_.k_tile_bytes), plan_.ld_v, ahead);
       return;
     }
-    ScratchLayout layout(buffers.floats);
-    const i64 rows_p = round_up(plan_.block.heads * plan_.block.rows_per_head, kk_.row_align);
-    const Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp,
-                                     plan_.workspace_bytes, kk_.attend == nullptr);
-    convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, s.ld_k, ahead);
-    convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, s.ld_v, ahead);
-    float bias[kBlockKeys];
-    if (smooth_ != nullptr) {  // (k - mean) * balance, and each key's share of the mean query
-      const float* mean = smooth_ + g * kSmoothFloats * std::size_t(d);
-      const float* balance = mean + d;
-      const float* q_mean = mean + 2 * d;
-      for (i64 jj = 0; jj < n; ++jj) {
-        double dot = 0;
-        for (i64 e = 0; e < d; ++e) {
-          const float centred = s.k[jj * s.ld_k + e] - mean[e];
-          dot += double(q_mean[e]) * centred;
-          s.k[jj * s.ld_k + e] = centred * balance[e];
-        }
-        bias[jj] = float(double(qscale_) * dot);
-      }
-    }
-    kk_.pack_k(s.k, s.ld_k, int(n), int(d), at);
-    if (smooth_ != nullptr && kk_.set_key_bias != nullptr) kk_.set_key_bias(at, bias, int(n));
-    kk_.pack_v(s.v, s.ld_v, int(n), int(dvp), at + plan_.k_tile_bytes);
+    ScratchLayout layout(thread.scratch());
+    const Scratch s = Scratch::carve(layout, plan_.shape, plan_.ld_k, plan_.ld_v, nullptr);
+    convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, plan_.ld_k, ahead);
+    convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, plan_.ld_v, ahead);
+    const std::optional<Smoothing> sm = smoothing_of(g);
+    pack_key_tile(kk_, s.k, plan_.ld_k, s.v, plan_.ld_v, n, d, plan_.dv_padded, plan_.k_tile_bytes,
+                  sm ? &*sm : nullptr, qscale_, at);
   }
 
-  // SAGE's smoothing of panel group g (docs/semantics.md, "SAGE"), into smooth_ + 3 d g:
-  // - the mean key mk, subtracted from every key (softmax ignores a shift shared by a row's
-  //   logits; the row's LSE gets q . mk back);
-  // - with plan.balance_qk each channel's balance b_e = sqrt(std(q_e) / std(k_e)) over the
-  //   group's queries and keys (keys multiplied by b_e, queries divided: the logits are
-  //   unchanged, the two operands' channels share the int8 range as SmoothQuant shares them),
-  //   else 1;
-  // - the mean query mq, subtracted from every query (SageAttention2's Q smoothing): each
-  //   key's exact share mq . (k - mk) is added to its logits in f32 (TileKernels::set_key_bias).
-  // Accumulated in f64. A key that is not finite turns all three off (the mean would spread it
-  // over every key: the rows that see it show it, as unsmoothed), a query that is not finite
-  // the balance and the mean query.
-  void smoothing(std::size_t g, const ThreadBuffers& buffers) const {
+  // Panel group g's smoothing (plan.smooth_k), computed by smoothing().
+  std::optional<Smoothing> smoothing_of(std::size_t g) const {
+    if (smooth_ == nullptr) return std::nullopt;
+    return Smoothing::at(smooth_ + g * kSmoothFloats * std::size_t(p_.d), p_.d);
+  }
+
+  // SAGE's smoothing of panel group g (item_driver.hpp, Smoothing; docs/semantics.md,
+  // "SAGE") over its segment's keys and the queries of its KV head's query heads.
+  void smoothing(std::size_t g, DriverThread& thread) const {
     const PanelGroup& group = plan_.groups[g];
     const Segment& seg = p_.segments[group.segment];
-    const i64 d = p_.d;
-    float* mean = smooth_ + g * kSmoothFloats * std::size_t(d);
-    float* balance = mean + d;
-    float* q_mean = mean + 2 * d;
-    thread_local std::vector<double> sum, squares, q_sum, q_squares;
-    sum.assign(std::size_t(d), 0.0);
-    squares.assign(std::size_t(d), 0.0);
-    q_sum.assign(std::size_t(d), 0.0);
-    q_squares.assign(std::size_t(d), 0.0);
-    float* row = buffers.floats;  // scratch of at least d floats
-    bool finite = true;
-    for (i64 j = seg.k_begin; j < seg.k_end && finite; ++j) {
-      const auto [t, at, scale] = kv_row(false, group.segment, seg.batch, j, group.hk);
-      load_elements(*t, at, d, scale, row);
-      for (i64 e = 0; e < d; ++e) {
-        finite = finite && std::isfinite(row[e]);
-        sum[std::size_t(e)] += row[e];
-        squares[std::size_t(e)] += double(row[e]) * row[e];
-      }
-    }
-    const double n = double(std::max<i64>(seg.k_end - seg.k_begin, 1));
-    for (i64 e = 0; e < d; ++e) mean[e] = finite ? float(sum[std::size_t(e)] / n) : 0.0f;
-    std::fill(balance, balance + d, 1.0f);
-    std::fill(q_mean, q_mean + d, 0.0f);
-    if (!finite) return;
-    const i64 group_heads = p_.group_size();
-    i64 q_rows = 0;
-    for (i64 h = group.hk * group_heads; h < (group.hk + 1) * group_heads && finite; ++h)
-      for (i64 i = seg.q_begin; i < seg.q_end && finite; ++i, ++q_rows) {
-        const RowRef qr = p_.q_row(i);
-        const TensorView& q = *qr.view;
-        load_elements(q, seg.batch * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, 1.0f,
-                      row);
-        for (i64 e = 0; e < d; ++e) {
-          finite = finite && std::isfinite(row[e]);
-          q_sum[std::size_t(e)] += row[e];
-          q_squares[std::size_t(e)] += double(row[e]) * row[e];
-        }
-      }
-    if (!finite || q_rows == 0) return;
-    for (i64 e = 0; e < d; ++e) {
-      const double m = sum[std::size_t(e)] / n, qm = q_sum[std::size_t(e)] / double(q_rows);
-      q_mean[e] = float(qm);
-      if (!plan_.balance_qk) continue;
-      const double k_var = std::max(squares[std::size_t(e)] / n - m * m, 0.0);
-      const double q_var = std::max(q_squares[std::size_t(e)] / double(q_rows) - qm * qm, 0.0);
-      const double b = std::sqrt(std::sqrt(q_var) / std::sqrt(k_var));
-      if (std::isfinite(b) && b > 0x1p-20 && b < 0x1p20) balance[e] = float(b);
-    }
+    const i64 group_heads = p_.group_size(), nq = seg.q_end - seg.q_begin;
+    const auto load_key = [&](i64 j, float* dst) {
+      const auto [t, at, scale] =
+          kv_row(false, group.segment, seg.batch, seg.k_begin + j, group.hk);
+      load_elements(*t, at, p_.d, scale, dst);
+    };
+    const auto load_query = [&](i64 n, float* dst) {  // head by head
+      const i64 h = group.hk * group_heads + n / std::max<i64>(nq, 1);
+      const RowRef qr = p_.q_row(seg.q_begin + n % std::max<i64>(nq, 1));
+      const TensorView& q = *qr.view;
+      load_elements(q, seg.batch * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), p_.d, 1.0f,
+                    dst);
+    };
+    Smoothing::compute(smooth_ + g * kSmoothFloats * std::size_t(p_.d), p_.d, plan_.balance_qk,
+                       seg.k_end - seg.k_begin, load_key, group_heads * nq, load_query,
+                       thread.scratch());
   }
 
-  void process(const WorkItem& w, const ThreadBuffers& buffers) const {
+  void process(const WorkItem& w, DriverThread& thread) const {
     const Segment& seg = p_.segments[w.segment];
     const i64 b = seg.batch, nq = w.q1 - w.q0, rows = nq * (w.h1 - w.h0);
-    const i64 rows_p = round_up(rows, kk_.row_align);
-    const i64 d = p_.d, dvp = plan_.dv_padded;
-    ScratchLayout layout(buffers.floats);
-    Scratch s = Scratch::carve(layout, buffers.row_ends, rows_p, d, dvp, plan_.workspace_bytes,
-                               kk_.attend == nullptr);
+    const i64 d = p_.d;
+    ScratchLayout layout(thread.scratch());
+    const Scratch s =
+        Scratch::carve(layout, plan_.shape, plan_.ld_k, plan_.ld_v, thread.row_ends());
 
     // Each row sees a prefix [k_begin, kend) of the segment's keys (positions are linear).
     i64 kmax = seg.k_begin, kmin = seg.k_end;
@@ -388,58 +298,37 @@ class Worker {
     const i64 k_first = std::max(seg.k_begin, w.k0);
     kmax = std::min(kmax, w.k1);
 
-    // Engines with their own operand formats scale the logits after the dot products.
-    pack_queries(w, s, b, rows, kk_.pack_q != nullptr ? 1.0f : qscale_);
-    if (smooth_ != nullptr) {  // (q - q_mean) / balance (smoothing())
-      const float* balance = smooth_ + w.group * kSmoothFloats * std::size_t(d) + d;
-      const float* q_mean = balance + d;
-      for (i64 e = 0; e < d; ++e)
-        for (i64 r = 0; r < rows; ++r)
-          s.qt[e * s.ld_rows + r] = (s.qt[e * s.ld_rows + r] - q_mean[e]) / balance[e];
-    }
-    if (kk_.pack_q != nullptr)
-      kk_.pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), qscale_, s.ws);
-    std::fill(s.m, s.m + rows_p, kNegInf);
-    std::fill(s.l, s.l + rows_p, 0.0f);
-    std::fill(s.o, s.o + rows_p * s.ld_o, 0.0f);
+    // Row r is query w.q0 + r % nq of head w.h0 + r / nq.
+    const auto load_query = [&](i64 r, float* dst, float scale) {
+      const i64 h = w.h0 + r / nq;
+      const RowRef qr = p_.q_row(w.q0 + r % nq);
+      const TensorView& q = *qr.view;
+      load_elements(q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, scale, dst);
+    };
+    const std::optional<Smoothing> sm = smoothing_of(w.group);
+    const ItemState state = begin_item(kk_, plan_.shape, s.item, rows, plan_.ld_k, plan_.ld_v,
+                                       qscale_, sm ? &*sm : nullptr, load_query);
     // The engine's inner loop over the tiles this item's rows can see (kernels.hpp, the
     // contract); this driver produces them from the call's panel and applies positions and
     // masks through the logits hook.
     ItemTiles tiles{*this, w, s, b, k_first, kmax, kmin, plan_.groups[w.group]};
     const ItemKeys keys{&ItemTiles::next, &ItemTiles::logits, &tiles};
-    const ItemState state{s.qt,   s.st,     s.ld_rows,  s.o,        s.ld_o,
-                          s.m,    s.l,      s.alpha,    int(rows),  int(rows_p),
-                          int(d), int(dvp), plan_.ld_k, plan_.ld_v, s.ws};
     attend(kk_, keys, state);
-    // Smoothed keys moved every logit of row r by -scale q_r . mean: the output is the same,
-    // the row's reference (hence its LSE) gets it back (q_r / balance . mean * balance).
-    if (smooth_ != nullptr) {
-      const float* mean = smooth_ + w.group * kSmoothFloats * std::size_t(d);
-      const float* balance = mean + d;
-      const float* q_mean = mean + 2 * d;
-      double shared = 0;  // q_mean . mean
-      for (i64 e = 0; e < d; ++e) shared += double(q_mean[e]) * mean[e];
-      for (i64 r = 0; r < rows; ++r) {
-        if (!std::isfinite(s.m[r])) continue;
-        double dot = shared;  // q . mean = (q - q_mean) / balance . mean * balance + shared
-        for (i64 e = 0; e < d; ++e)
-          dot += double(s.qt[e * s.ld_rows + r]) * (double(mean[e]) * balance[e]);
-        s.m[r] = float(double(s.m[r]) + double(qscale_) * dot);
-      }
-    }
+    end_item(s.item, rows, qscale_, sm ? &*sm : nullptr);
 
     if (w.partial >= 0) {
       float* slot = partials_ + w.partial * plan_.partial_rows * (p_.dv + 2);
       for (i64 r = 0; r < rows; ++r) {
         float* row = slot + r * (p_.dv + 2);
-        std::copy(s.o + r * s.ld_o, s.o + r * s.ld_o + p_.dv, row);
-        row[p_.dv] = s.m[r];
-        row[p_.dv + 1] = s.l[r];
+        std::copy(s.item.o + r * s.item.ld_o, s.item.o + r * s.item.ld_o + p_.dv, row);
+        row[p_.dv] = s.item.m[r];
+        row[p_.dv + 1] = s.item.l[r];
       }
       return;
     }
     for (i64 r = 0; r < rows; ++r)
-      write_row(s.o + r * s.ld_o, s.m[r], s.l[r], b, w.h0 + r / nq, w.q0 + r % nq);
+      write_row(s.item.o + r * s.item.ld_o, s.item.m[r], s.item.l[r], b, w.h0 + r / nq,
+                w.q0 + r % nq);
   }
 
   // The key tiles of one work item (ItemKeys): tiles of the call's panel from k_first to kmax,
@@ -469,7 +358,7 @@ class Worker {
             wk.panel_ + t.group.offset +
             std::size_t((t.j0 - seg.k_begin) / kBlockKeys) * plan.tile_bytes();
         // No software prefetch of the next tile (kernels.hpp, attend_tile_by_tile).
-        KeyTile& tile = t.ring[std::size_t(n % wk.kk_.panel_tiles)];
+        KeyTile& tile = t.ring[std::size_t(n % wk.kk_.loop.panel_tiles)];
         tile = {at, at + plan.k_tile_bytes, int(keys),
                 t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none, t.j0};
         t.j0 += kBlockKeys;
@@ -525,20 +414,6 @@ class Worker {
   }
 
  private:
-  // Q^T [d][rows_p], pre-scaled; padding rows zero.
-  void pack_queries(const WorkItem& w, const Scratch& s, i64 b, i64 rows, float scale) const {
-    const i64 d = p_.d, nq = w.q1 - w.q0;
-    for (i64 r = 0; r < rows; ++r) {
-      const i64 h = w.h0 + r / nq;
-      const RowRef qr = p_.q_row(w.q0 + r % nq);
-      const TensorView& q = *qr.view;
-      load_elements(q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, scale, s.row);
-      for (i64 e = 0; e < d; ++e) s.qt[e * s.ld_rows + r] = s.row[e];
-    }
-    for (i64 e = 0; e < d; ++e)
-      std::fill(s.qt + e * s.ld_rows + rows, s.qt + (e + 1) * s.ld_rows, 0.0f);
-  }
-
   // Rows [j0, j0 + n) of head hk of `t` as f32 into dst [n][ld], columns past `width` zero;
   // the first `ahead` rows of the next tile are prefetched meanwhile (rows lie H * D elements
   // apart, too far for the hardware prefetchers; one row per row converted spreads the
@@ -675,21 +550,14 @@ class FlashImpl final : public Impl {
     if (sage) {
       compute_ = ComputeDtype::int8;
       pv_ = parse_pv_dtype(config.backend_kwargs);
-      smooth_k_ = parse_bool(config.backend_kwargs, "smooth_k");
-      balance_qk_ = parse_bool(config.backend_kwargs, "balance_qk");
+      smooth_k_ = parse_bool_option(config.backend_kwargs, "smooth_k");
+      balance_qk_ = parse_bool_option(config.backend_kwargs, "balance_qk");
       // Checked now, so that a pv_dtype this CPU's engine lacks is refused when the layer is
       // built.
       (void)int8_engine_kernels(select_engine(cap_, DType::F32, compute_), pv_);
     } else {
       compute_ = parse_compute_dtype(config.backend_kwargs);
     }
-  }
-
-  static bool parse_bool(const BackendOptions& options, const std::string& name) {
-    const auto it = options.find(name);
-    if (it == options.end()) return true;
-    if (const auto* b = std::get_if<bool>(&it->second)) return *b;
-    throw InvalidArgument(name, "backend option " + name + " must be a bool (default true)");
   }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
@@ -759,11 +627,9 @@ class FlashImpl final : public Impl {
       if (next < p.sq) plan->padding.push_back({b, next, p.sq});
     }
     plan_panels(*plan, p);
-    const i64 rows_p =
-        round_up(plan->block.heads * plan->block.rows_per_head, plan->kernels.row_align);
-    plan->workspace_bytes = Scratch::workspace_bytes(plan->kernels, rows_p, p.d, plan->dv_padded);
-    plan->scratch_floats = Scratch::floats(rows_p, p.d, plan->dv_padded, plan->workspace_bytes,
-                                           plan->kernels.attend == nullptr);
+    plan->shape = ItemShape::of(plan->kernels, plan->block.heads * plan->block.rows_per_head, p.d,
+                                plan->dv_padded);
+    plan->scratch_floats = Scratch::floats(plan->shape, plan->ld_k, plan->ld_v);
     return plan;
   }
 
@@ -775,9 +641,9 @@ class FlashImpl final : public Impl {
     const auto align = [](std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
     plan.ld_k = p.d + kStridePad;
     plan.ld_v = plan.dv_padded + kStridePad;
-    if (kk.k_tile_bytes != nullptr) {
-      plan.k_tile_bytes = kk.k_tile_bytes(int(p.d));
-      plan.v_tile_bytes = kk.v_tile_bytes(int(plan.dv_padded));
+    if (kk.formats.k_tile_bytes != nullptr) {
+      plan.k_tile_bytes = kk.formats.k_tile_bytes(int(p.d));
+      plan.v_tile_bytes = kk.formats.v_tile_bytes(int(plan.dv_padded));
     } else {
       plan.k_tile_bytes = align(std::size_t(kBlockKeys * plan.ld_k) * sizeof(float));
       plan.v_tile_bytes = align(std::size_t(kBlockKeys * plan.ld_v) * sizeof(float));
@@ -891,42 +757,26 @@ class FlashImpl final : public Impl {
     const auto count = static_cast<i64>(std::max(plan.items.size(), plan.panel_tiles.size()));
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
     const auto merges = static_cast<i64>(plan.merges.size());
-    const TileKernels& kk = plan.kernels;
-    // A fault inside the region (a thread's buffers that cannot grow) is kept and rethrown
-    // after it; the rows computed so far stay written (docs/semantics.md, "Faults").
-    detail::ParallelFault fault;
-#pragma omp parallel num_threads(threads)
-    {
-      ThreadBuffers buffers{};
-      fault.run([&] {
-        buffers = thread_buffers(plan.scratch_floats,
-                                 std::size_t(plan.block.heads * plan.block.rows_per_head));
-      });
-      if (plan.smooth_k) {
-        const auto groups = static_cast<i64>(plan.groups.size());
-#pragma omp for schedule(dynamic, 1)
-        for (i64 g = 0; g < groups; ++g)
-          fault.run([&] { worker.smoothing(std::size_t(g), buffers); });
-      }
-      const bool tiles = kk.thread_begin != nullptr && !fault.failed();
-      if (tiles) kk.thread_begin();
-      for (const Wave& wave : plan.waves) {
-#pragma omp for schedule(dynamic, 4)
-        for (i64 t = wave.tile_begin; t < wave.tile_end; ++t)
-          fault.run([&] {
+    // One fault-guarded region (item_driver.hpp): smoothing, then per wave its panels and its
+    // items, then the merges.
+    const auto rows = std::size_t(plan.block.heads * plan.block.rows_per_head);
+    run_parallel(threads, plan.scratch_floats, rows, [&](DriverThread& thread) {
+      if (plan.smooth_k)
+        thread.loop(0, i64(plan.groups.size()), 1,
+                    [&](i64 g) { worker.smoothing(std::size_t(g), thread); });
+      thread.with_engine(plan.kernels, [&] {
+        for (const Wave& wave : plan.waves) {
+          thread.loop(wave.tile_begin, wave.tile_end, 4, [&](i64 t) {
             const auto& [g, tile] = plan.panel_tiles[std::size_t(t)];
-            worker.pack_tile(g, tile, buffers);
+            worker.pack_tile(g, tile, thread);
           });
-#pragma omp for schedule(dynamic, 1)
-        for (i64 n = wave.item_begin; n < wave.item_end; ++n)
-          fault.run([&] { worker.process(plan.items[std::size_t(n)], buffers); });
-      }
-      if (tiles && kk.thread_end != nullptr) kk.thread_end();
-#pragma omp for schedule(dynamic, 1)
-      for (i64 g = 0; g < merges; ++g)
-        fault.run([&] { worker.merge(plan.merges[std::size_t(g)], buffers.floats); });
-    }
-    fault.rethrow();
+          thread.loop(wave.item_begin, wave.item_end, 1,
+                      [&](i64 n) { worker.process(plan.items[std::size_t(n)], thread); });
+        }
+      });
+      thread.loop(0, merges, 1,
+                  [&](i64 g) { worker.merge(plan.merges[std::size_t(g)], thread.scratch()); });
+    });
   }
 
   const Engine* cap_ = nullptr;  // nullptr: automatic

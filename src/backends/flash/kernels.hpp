@@ -1,11 +1,12 @@
 // The per-engine hot loops of the FLASH backend, and the contract between them and the drivers
-// that feed them (FLASH, flash.cpp; VIDEO_SPARSE, video_sparse.cpp).
+// that feed them (FLASH, flash.cpp; VIDEO_SPARSE, video_sparse.cpp; the half of the driver they
+// share is item_driver.hpp).
 //
 // The contract. A driver owns what is shared: packing K and V once per call into tiles of the
 // engine's format, the work list and the threads, which key tiles a work item visits (causal and
 // position limits, masks that hide whole tiles, block-sparse maps), the per-tile logits hook that
 // applies what a tile's positions and masks hide or add, and the row writer. An engine owns a
-// work item's inner loop (TileKernels::attend): given the item's packed queries and a producer
+// work item's inner loop (InnerLoop::attend): given the item's packed queries and a producer
 // of its key tiles (ItemKeys), it computes the online softmax and P.V in the layout that suits
 // its instructions, calls the hook on the tiles that need it, and leaves the item's running
 // (O, m, l) for the driver to write. The f32 engines and avx512_bf16 use attend_tile_by_tile
@@ -42,9 +43,9 @@ inline constexpr float kExp2Poly[5] = {6.931470037e-01f, 2.402224243e-01f, 5.550
 inline constexpr float kExp2PolyBf16[3] = {6.951168180e-01f, 2.276449353e-01f, 7.706709951e-02f};
 
 struct TileKernels;
-// Query rows per work item on a small L2 unless an engine asks for more (TileKernels::item_rows).
+// Query rows per work item on a small L2 unless an engine asks for more (InnerLoop::item_rows).
 inline constexpr int kDefaultItemRows = 128;
-// The most tiles an engine holds at once (TileKernels::panel_tiles).
+// The most tiles an engine holds at once (InnerLoop::panel_tiles).
 inline constexpr int kMaxPanelTiles = 8;
 
 // One key tile of a work item as its driver hands it to the engine.
@@ -63,7 +64,7 @@ struct KeyTile {
 
 // The key tiles of one work item, produced on demand. tile(ctx, n) returns tile n (asked for in
 // order n = 0, 1, ...) or nullptr after the last; a returned tile stays valid until
-// TileKernels::panel_tiles later calls. logits(ctx, tile, s, row_stride, key_stride) sees the
+// InnerLoop::panel_tiles later calls. logits(ctx, tile, s, row_stride, key_stride) sees the
 // tile's logits in natural units (scaled, not yet exponentiated), s[r * row_stride + j *
 // key_stride] for the item's rows r < rows and the tile's keys j < keys: it sets those a row
 // may not see to -inf and adds additive mask terms. Natural units, so that a finite mask as low
@@ -91,37 +92,24 @@ struct ItemState {
   void* ws;
 };
 
-struct TileKernels {
-  std::string_view engine;  // the engine's name (engines.hpp)
-  int row_align;            // query rows per S^T micro-tile (and softmax lane group)
-  int col_align;            // output columns per P.V micro-tile
+// A TileKernels is split into the contracts its users need. The drivers (flash.cpp,
+// sparse/video_sparse.cpp, through item_driver.hpp) read only `rows_io`, `formats` and `loop`
+// (with engine, row_align and col_align); `steps` and `row_softmax` are the engines' own parts,
+// which their inner loops (attend_tile_by_tile below, cpu/amx_impl.hpp) call.
 
-  // ST = K . QT for `keys` keys and `rows_p` rows (rows_p % row_align == 0) over `d`; an entry
-  // that is not finite becomes NaN. `k` is a K tile of the panel (f32 rows of stride ldk for
-  // the f32 engines).
-  void (*qk)(const void* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
-             std::int64_t ldst, int keys, int rows_p, int d, void* ws);
-  // One online-softmax step over a tile: for every row r (a column of ST) updates the running
-  // reference m[r] (an upper bound of the row's logits so far: raised lazily, to the tile's max
-  // plus kMaxHeadroom, only when a logit passes it) and sum l[r], turns the column into
-  // e^(s - m_new) and sets alpha[r] = e^(m_old - m_new), the factor that rescales the row's
-  // earlier output (exactly 1 when m did not move). A NaN or +inf logit makes l[r] NaN for
-  // good.
-  void (*softmax_tile)(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
-                       float* alpha);
-  // O[r] = O[r] * alpha[r] + sum_j PT[j][r] V[j] for `rows` rows (dv % col_align == 0); `v` is
-  // a V tile of the panel (f32 rows of stride ldv for the f32 engines). O has room for
-  // round_up(rows, row_align) rows.
-  void (*pv)(const float* pt, std::int64_t ldpt, const void* v, std::int64_t ldv, float* o,
-             std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* ws);
+// Rows converted between the call's tensors and f32 (tile_io.hpp: load_elements, OutputRows).
+struct RowConversions {
   // dst[0..n) = src[0..n) * scale for a contiguous row of f32, bf16 or f16.
   void (*load_row)(const void* src, DType dtype, std::int64_t n, float scale, float* dst);
   // dst[0..n) = src[0..n) * scale rounded (to nearest even) to a contiguous f32, bf16 or f16
   // row.
   void (*store_row)(const float* src, float scale, std::int64_t n, DType dtype, void* dst);
+};
 
-  // Engines with their own operand formats (nullptr / 0 for the f32 engines):
-  // the workspace size for tiles of up to `rows_p` rows and kTileKeys keys with head sizes d
+// The operand formats a driver packs Q, K and V into for engines with their own formats (all
+// nullptr for the f32 engines, which read f32 rows of stride ItemState::ld_k / ld_v).
+struct OperandFormats {
+  // The workspace size for tiles of up to `rows_p` rows and kTileKeys keys with head sizes d
   // and dv (padded), and the per-work-item packing of QT [d][rows_p] (stride ldqt) into it.
   std::size_t (*workspace_bytes)(int rows_p, int d, int dv) = nullptr;
   void (*pack_q)(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, float logit_scale,
@@ -135,18 +123,41 @@ struct TileKernels {
   // The int8 engines' per-key logit terms: bias[j] (natural units) added to every logit of key j
   // of a packed K tile (SAGE's query smoothing); nullptr for the others.
   void (*set_key_bias)(void* tile, const float* bias, int keys) = nullptr;
-  // Per-thread set-up before a thread's first qk/pv of a run and tear-down after its last
-  // (AMX: load the tile configuration / release the tiles); nullptr when not needed.
-  void (*thread_begin)() = nullptr;
-  void (*thread_end)() = nullptr;
 
-  // The online softmax over S rows (the layout of engines that compute S = Q.K^T, query rows
-  // as rows): for each of `rows` rows of s (stride lds) over keys [0, keys): with `raw` the
-  // entries are unscaled dot products x (a logit is x * scale; an x that is not finite poisons
-  // the row, as qk's NaN rule), else natural-unit logits (scaled, hooked; -inf = hidden, scale
-  // ignored). Updates m, l and alpha by softmax_tile's rule and leaves the probabilities in s,
-  // zeros up to keys rounded up to 16 (s has room for them). The scale is folded into the
-  // exponent's multiply where |m log2(e)| <= 1024 (its rounding then costs at most 6e-5).
+  bool own() const { return pack_k != nullptr; }
+};
+
+// The steps of the engines that work tile by tile on S^T (attend_tile_by_tile).
+struct TileSteps {
+  // ST = K . QT for `keys` keys and `rows_p` rows (rows_p % row_align == 0) over `d`; an entry
+  // that is not finite becomes NaN. `k` is a K tile of the panel (f32 rows of stride ldk for
+  // the f32 engines).
+  void (*qk)(const void* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
+             std::int64_t ldst, int keys, int rows_p, int d, void* ws) = nullptr;
+  // One online-softmax step over a tile: for every row r (a column of ST) updates the running
+  // reference m[r] (an upper bound of the row's logits so far: raised lazily, to the tile's max
+  // plus kMaxHeadroom, only when a logit passes it) and sum l[r], turns the column into
+  // e^(s - m_new) and sets alpha[r] = e^(m_old - m_new), the factor that rescales the row's
+  // earlier output (exactly 1 when m did not move). A NaN or +inf logit makes l[r] NaN for
+  // good.
+  void (*softmax_tile)(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                       float* alpha) = nullptr;
+  // O[r] = O[r] * alpha[r] + sum_j PT[j][r] V[j] for `rows` rows (dv % col_align == 0); `v` is
+  // a V tile of the panel (f32 rows of stride ldv for the f32 engines). O has room for
+  // round_up(rows, row_align) rows.
+  void (*pv)(const float* pt, std::int64_t ldpt, const void* v, std::int64_t ldv, float* o,
+             std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* ws) = nullptr;
+};
+
+// The online softmax over S rows (the layout of engines that compute S = Q.K^T, query rows as
+// rows: the amx engines).
+struct RowSoftmax {
+  // For each of `rows` rows of s (stride lds) over keys [0, keys): with `raw` the entries are
+  // unscaled dot products x (a logit is x * scale; an x that is not finite poisons the row, as
+  // qk's NaN rule), else natural-unit logits (scaled, hooked; -inf = hidden, scale ignored).
+  // Updates m, l and alpha by softmax_tile's rule and leaves the probabilities in s, zeros up
+  // to keys rounded up to 16 (s has room for them). The scale is folded into the exponent's
+  // multiply where |m log2(e)| <= 1024 (its rounding then costs at most 6e-5).
   void (*softmax_rows)(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
                        float* m, float* l, float* alpha) = nullptr;
   // softmax_rows with the probabilities written to p instead, as bf16 pairs over keys (round
@@ -156,16 +167,37 @@ struct TileKernels {
   void (*softmax_rows_pairs)(float* s, std::int64_t lds, int rows, int keys, float scale, bool raw,
                              float* m, float* l, float* alpha, std::uint32_t* p, std::int64_t ldp,
                              int pairs) = nullptr;
+};
+
+// How a driver runs the engine's inner loop on a work item.
+struct InnerLoop {
   // A work item's inner loop (the contract above); nullptr: attend_tile_by_tile. panel_tiles:
   // how many tiles of ItemKeys the engine holds at once.
   void (*attend)(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) = nullptr;
   int panel_tiles = 1;
+  // Per-thread set-up before a thread's first work item of a run and tear-down after its last
+  // (AMX: load the tile configuration / release the tiles); nullptr when not needed.
+  void (*thread_begin)() = nullptr;
+  void (*thread_end)() = nullptr;
   // Query rows per work item the engine is tuned for (tile_plan.hpp, item_rows): item_rows
   // where a core's L2 is smaller than 1 MiB or unknown, item_rows_large_l2 where it holds 1 MiB
   // or more. More rows use each K/V tile more often while it is in L2, at the price of a larger
   // per-thread scratch.
   int item_rows = kDefaultItemRows;
   int item_rows_large_l2 = 2 * kDefaultItemRows;
+
+  bool tile_by_tile() const { return attend == nullptr; }
+};
+
+struct TileKernels {
+  std::string_view engine;  // the engine's name (engines.hpp)
+  int row_align;            // query rows per S^T micro-tile (and softmax lane group)
+  int col_align;            // output columns per P.V micro-tile
+  RowConversions rows_io;
+  OperandFormats formats{};
+  TileSteps steps{};
+  RowSoftmax row_softmax{};
+  InnerLoop loop{};
 };
 
 // The inner loop of the engines that work tile by tile on S^T: qk, the hook where the tile asks
@@ -178,17 +210,17 @@ inline void attend_tile_by_tile(const TileKernels& kk, const ItemKeys& keys, con
   for (int n = 0;; ++n) {
     const KeyTile* t = keys.tile(keys.ctx, n);
     if (t == nullptr) return;
-    kk.qk(t->k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, t->keys, s.rows_p, s.d, s.ws);
+    kk.steps.qk(t->k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, t->keys, s.rows_p, s.d, s.ws);
     if (t->hook) keys.logits(keys.ctx, *t, s.st, 1, s.ld_rows);
-    kk.softmax_tile(s.st, s.ld_rows, t->keys, s.rows_p, s.m, s.l, s.alpha);
-    kk.pv(s.st, s.ld_rows, t->v, s.ld_v, s.o, s.ld_o, s.alpha, s.rows, t->keys, s.dv, s.ws);
+    kk.steps.softmax_tile(s.st, s.ld_rows, t->keys, s.rows_p, s.m, s.l, s.alpha);
+    kk.steps.pv(s.st, s.ld_rows, t->v, s.ld_v, s.o, s.ld_o, s.alpha, s.rows, t->keys, s.dv, s.ws);
   }
 }
 
 // Runs a work item on the engine's inner loop.
 inline void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& s) {
-  if (kk.attend != nullptr)
-    kk.attend(kk, keys, s);
+  if (kk.loop.attend != nullptr)
+    kk.loop.attend(kk, keys, s);
   else
     attend_tile_by_tile(kk, keys, s);
 }
@@ -196,43 +228,43 @@ inline void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState&
 // The parts of a TileKernels a bf16 engine supplies (cpu/bf16_dot_impl.hpp,
 // cpu/amx_impl.hpp), and the table they make with the softmax and row conversions of `base`.
 struct Bf16Functions {
-  decltype(TileKernels::qk) qk;
-  decltype(TileKernels::pv) pv;
-  decltype(TileKernels::workspace_bytes) workspace_bytes;
-  decltype(TileKernels::pack_q) pack_q;
-  decltype(TileKernels::k_tile_bytes) k_tile_bytes;
-  decltype(TileKernels::v_tile_bytes) v_tile_bytes;
-  decltype(TileKernels::pack_k) pack_k;
-  decltype(TileKernels::pack_v) pack_v;
+  decltype(TileSteps::qk) qk;
+  decltype(TileSteps::pv) pv;
+  decltype(OperandFormats::workspace_bytes) workspace_bytes;
+  decltype(OperandFormats::pack_q) pack_q;
+  decltype(OperandFormats::k_tile_bytes) k_tile_bytes;
+  decltype(OperandFormats::v_tile_bytes) v_tile_bytes;
+  decltype(OperandFormats::pack_k) pack_k;
+  decltype(OperandFormats::pack_v) pack_v;
   int align;
-  decltype(TileKernels::thread_begin) thread_begin = nullptr;
-  decltype(TileKernels::thread_end) thread_end = nullptr;
-  decltype(TileKernels::attend) attend = nullptr;
+  decltype(InnerLoop::thread_begin) thread_begin = nullptr;
+  decltype(InnerLoop::thread_end) thread_end = nullptr;
+  decltype(InnerLoop::attend) attend = nullptr;
   int panel_tiles = 1;
   // Query rows per work item whatever the L2 (0: base's item_rows / item_rows_large_l2).
   int item_rows = 0;
   // The engine's own softmax_rows_pairs (nullptr: base's).
-  decltype(TileKernels::softmax_rows_pairs) softmax_rows_pairs = nullptr;
+  decltype(RowSoftmax::softmax_rows_pairs) softmax_rows_pairs = nullptr;
 };
 inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels& base,
                                      const Bf16Functions& f) {
   TileKernels k = base;
   k.engine = engine;
   k.row_align = k.col_align = f.align;
-  k.qk = f.qk;
-  k.pv = f.pv;
-  k.workspace_bytes = f.workspace_bytes;
-  k.pack_q = f.pack_q;
-  k.k_tile_bytes = f.k_tile_bytes;
-  k.v_tile_bytes = f.v_tile_bytes;
-  k.pack_k = f.pack_k;
-  k.pack_v = f.pack_v;
-  k.thread_begin = f.thread_begin;
-  k.thread_end = f.thread_end;
-  k.attend = f.attend;
-  k.panel_tiles = f.panel_tiles;
-  if (f.item_rows > 0) k.item_rows = k.item_rows_large_l2 = f.item_rows;
-  if (f.softmax_rows_pairs != nullptr) k.softmax_rows_pairs = f.softmax_rows_pairs;
+  k.steps.qk = f.qk;
+  k.steps.pv = f.pv;
+  k.formats.workspace_bytes = f.workspace_bytes;
+  k.formats.pack_q = f.pack_q;
+  k.formats.k_tile_bytes = f.k_tile_bytes;
+  k.formats.v_tile_bytes = f.v_tile_bytes;
+  k.formats.pack_k = f.pack_k;
+  k.formats.pack_v = f.pack_v;
+  k.loop.thread_begin = f.thread_begin;
+  k.loop.thread_end = f.thread_end;
+  k.loop.attend = f.attend;
+  k.loop.panel_tiles = f.panel_tiles;
+  if (f.item_rows > 0) k.loop.item_rows = k.loop.item_rows_large_l2 = f.item_rows;
+  if (f.softmax_rows_pairs != nullptr) k.row_softmax.softmax_rows_pairs = f.softmax_rows_pairs;
   return k;
 }
 
@@ -240,15 +272,15 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
 // formats for Q and K; P.V, the softmax and the row conversions are its base engine's, whose
 // workspace and V format it carries.
 struct Int8Functions {
-  decltype(TileKernels::qk) qk;
-  decltype(TileKernels::pv) pv;
-  decltype(TileKernels::workspace_bytes) workspace_bytes;
-  decltype(TileKernels::pack_q) pack_q;
-  decltype(TileKernels::k_tile_bytes) k_tile_bytes;
-  decltype(TileKernels::v_tile_bytes) v_tile_bytes;
-  decltype(TileKernels::pack_k) pack_k;
-  decltype(TileKernels::pack_v) pack_v;
-  decltype(TileKernels::set_key_bias) set_key_bias;
+  decltype(TileSteps::qk) qk;
+  decltype(TileSteps::pv) pv;
+  decltype(OperandFormats::workspace_bytes) workspace_bytes;
+  decltype(OperandFormats::pack_q) pack_q;
+  decltype(OperandFormats::k_tile_bytes) k_tile_bytes;
+  decltype(OperandFormats::v_tile_bytes) v_tile_bytes;
+  decltype(OperandFormats::pack_k) pack_k;
+  decltype(OperandFormats::pack_v) pack_v;
+  decltype(OperandFormats::set_key_bias) set_key_bias;
   int align;  // query rows per qk micro-tile
 };
 // The f32 engines' padding of V rows in scratch and panels (tile_io.hpp's kStridePad), which an

@@ -72,9 +72,9 @@ inline void load_elements(const TileKernels& kk, const TensorView& t, std::int64
       for (std::int64_t e = 0; e < n; ++e) dst[e] = table[codes[e]] * scale;
       return;
     }
-    kk.load_row(static_cast<const std::byte*>(t.data()) +
-                    base * static_cast<std::int64_t>(dtype_size(t.dtype())),
-                t.dtype(), n, scale, dst);
+    kk.rows_io.load_row(static_cast<const std::byte*>(t.data()) +
+                            base * static_cast<std::int64_t>(dtype_size(t.dtype())),
+                        t.dtype(), n, scale, dst);
     return;
   }
   for (std::int64_t e = 0; e < n; ++e)
@@ -108,8 +108,9 @@ class OutputRows {
     const TensorView& o = p_.out;
     const std::int64_t base = b * o.stride(0) + i * o.stride(1) + h * o.stride(2);
     if (o.stride(3) == 1) {
-      kk_.store_row(o_row, inv, p_.dv, o.dtype(),
-                    static_cast<std::byte*>(o.data()) + base * std::int64_t(dtype_size(o.dtype())));
+      kk_.rows_io.store_row(
+          o_row, inv, p_.dv, o.dtype(),
+          static_cast<std::byte*>(o.data()) + base * std::int64_t(dtype_size(o.dtype())));
     } else {
       for (std::int64_t e = 0; e < p_.dv; ++e)
         store_from_f32(o.data(), o.dtype(), base + e * o.stride(3), o_row[e] * inv);

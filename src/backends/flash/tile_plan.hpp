@@ -28,13 +28,13 @@ constexpr RowBlock row_block(std::int64_t group, std::int64_t target) {
 }
 
 // The rows per work item of an engine on a CPU whose cores have `l2_bytes` of L2 (0:
-// unknown): TileKernels::item_rows, or item_rows_large_l2 from 1 MiB on. The tile-by-tile
+// unknown): InnerLoop::item_rows, or item_rows_large_l2 from 1 MiB on. The tile-by-tile
 // engines take 256 rows there (f32 scratch about 430 KiB at D 128): each K/V tile then serves
 // twice the rows while in L2, which pays where K/V is long (wan-480p f32, 2 threads, an Intel
 // Xeon with 2 MiB L2, interleaved in one process: 194 -> 205 GFLOP/s median; sd35-1024 191 ->
 // 196; flux-1024 even), while a 512 KiB L2 (AMD Zen 3) keeps 128.
 constexpr std::int64_t item_rows(const TileKernels& kk, long long l2_bytes) {
-  return l2_bytes >= (1ll << 20) ? kk.item_rows_large_l2 : kk.item_rows;
+  return l2_bytes >= (1ll << 20) ? kk.loop.item_rows_large_l2 : kk.loop.item_rows;
 }
 
 constexpr std::int64_t round_up(std::int64_t x, std::int64_t to) {

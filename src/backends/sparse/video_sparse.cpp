@@ -8,7 +8,8 @@
 // item), each key block's tiles in the engine's format for the others; and run the engine's
 // inner loop (flash/kernels.hpp, the contract) for each query block over its selected blocks
 // only. Query rows are gathered from and written back to their sequence rows; padding rows
-// output zero.
+// output zero. The driver half shared with FLASH (item scratch, query and key-tile packing, SAGE's
+// smoothing with qk_dtype int8, the parallel region) is flash/item_driver.hpp.
 #include "backends/sparse/video_sparse.hpp"
 
 #include <omp.h>
@@ -26,11 +27,11 @@
 #include <variant>
 
 #include "backends/flash/engines.hpp"
+#include "backends/flash/item_driver.hpp"
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "core/huge_page_buffer.hpp"
-#include "core/parallel_fault.hpp"
 #include "core/workspace_pool.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
@@ -42,11 +43,15 @@ namespace sparse {
 namespace {
 
 using i64 = std::int64_t;
+using flash::DriverThread;
+using flash::ItemScratch;
+using flash::ItemShape;
 using flash::kBlockKeys;
 using flash::kStridePad;
 using flash::load_elements;
 using flash::round_up;
 using flash::ScratchLayout;
+using flash::Smoothing;
 using flash::TileKernels;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Rows of the per-thread query tile; larger query blocks run in several chunks.
@@ -60,7 +65,7 @@ class SparsePlan final : public Plan {
     os << "VIDEO_SPARSE plan: engine " << kernels.engine << ", query chunks of up to " << kMaxRows
        << " rows, key chunks of " << kBlockKeys << ", " << threads
        << " thread(s), K/V of one head converted once per call ("
-       << (kernels.pack_k != nullptr
+       << (kernels.formats.pack_k != nullptr
                ? "into the engine's tiles, " + std::to_string(k_tile_bytes + v_tile_bytes) +
                      " B per tile of up to " + std::to_string(kBlockKeys) + " keys of a block)"
                : std::to_string((ld_k + ld_v) * sizeof(float)) + " B per key row)");
@@ -71,9 +76,12 @@ class SparsePlan final : public Plan {
 
   const TileKernels& kernels;
   i64 dv_padded = 0, ld_k = 0, ld_v = 0;
-  // Engines with their own operand formats (FLASH's bf16 engines): their workspace and the
+  // Every work item's scratch (item_driver.hpp); engines with their own operand formats: the
   // bytes of one K and one V tile.
-  std::size_t workspace_bytes = 0, k_tile_bytes = 0, v_tile_bytes = 0;
+  ItemShape shape;
+  std::size_t k_tile_bytes = 0, v_tile_bytes = 0;
+  // SAGE's smoothing (qk_dtype int8 with smooth_k) per (batch item, KV head), with balance_qk.
+  bool smooth_k = false, balance_qk = false;
   int threads = 1;
   std::size_t scratch_floats = 0;
 };
@@ -88,9 +96,11 @@ struct Piece {
   i64 j0, n;
 };
 
+// Per-thread scratch: a work item's (item_driver.hpp) and, after it, a coarse output row and
+// the key chunks' slots.
 struct Tile {
-  float *qt, *st, *o, *m, *l, *alpha, *row, *coarse;
-  void* ws;  // the engine's workspace (64-byte aligned), or null
+  ItemScratch item;
+  float* coarse;
   // One key chunk per slot (the f32 engines hold up to panel_tiles at once): its gathered f32
   // rows (K [kBlockKeys][ld_k], V [kBlockKeys][ld_v]) and which of them are visible. Engines
   // with their own operand format read the call's packed tiles and use slot 0 to stage them.
@@ -99,33 +109,15 @@ struct Tile {
     char* ok;
   };
   std::array<Slot, flash::kMaxPanelTiles> slots;
-  i64 ld_rows, ld_o;
   // ld_k, ld_v: the packed rows' strides (gathered chunks keep them).
-  static std::size_t floats(i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes, int slots) {
+  static std::size_t floats(const ItemShape& shape, i64 ld_k, i64 ld_v, int slots) {
     ScratchLayout count;
-    (void)carve(count, d, dvp, ld_k, ld_v, ws_bytes, slots);
+    (void)carve(count, shape, ld_k, ld_v, slots);
     return count.floats();
   }
-  static void* aligned(ScratchLayout& at, std::size_t bytes) {
-    if (bytes == 0) return nullptr;
-    float* raw = at.take(i64(bytes / sizeof(float)) + 16);
-    if (raw == nullptr) return nullptr;
-    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(raw) + 63) / 64 * 64);
-  }
-  static Tile carve(ScratchLayout& at, i64 d, i64 dvp, i64 ld_k, i64 ld_v, std::size_t ws_bytes,
-                    int slots) {
-    Tile t{};
-    t.ws = aligned(at, ws_bytes);
-    t.ld_rows = kMaxRows + kStridePad;
-    t.ld_o = dvp + kStridePad;
-    t.qt = at.take(d * t.ld_rows);
-    t.st = at.take(kBlockKeys * t.ld_rows);
-    t.o = at.take(kMaxRows * t.ld_o);
-    t.m = at.take(kMaxRows);
-    t.l = at.take(kMaxRows);
-    t.alpha = at.take(kMaxRows);
-    t.row = at.take(std::max(d, dvp));
-    t.coarse = at.take(std::max(d, dvp));
+  static Tile carve(ScratchLayout& at, const ItemShape& shape, i64 ld_k, i64 ld_v, int slots) {
+    Tile t{shape.carve(at), nullptr, {}};
+    t.coarse = at.take(std::max(shape.d, shape.dv_padded));
     for (int n = 0; n < slots; ++n) {
       Slot& slot = t.slots[std::size_t(n)];
       slot.k = at.take(kBlockKeys * ld_k);
@@ -161,16 +153,19 @@ struct Call {
   std::vector<i64> rows;        // valid query positions, grouped by block
   std::vector<i64> block_row0;  // first entry of each query block in `rows`
   float qscale = 1;
+  // SAGE's smoothing of the KV head being run (plan.smooth_k), computed by smooth().
+  std::vector<float> smoothing;
+  std::optional<Smoothing> smoothed;
 
   const TileKernels& kk() const { return plan.kernels; }
 
-  bool own_format() const { return kk().pack_k != nullptr; }
+  bool own_format() const { return kk().formats.own(); }
   // This thread's tile scratch: the f32 engines' gathered chunks need a slot per tile the
   // engine holds; engines with their own format read the call's tiles and use slot 0's rows
   // only to stage pack_tiles.
   Tile carve(ScratchLayout& layout) const {
-    return Tile::carve(layout, p.d, plan.dv_padded, plan.ld_k, plan.ld_v, plan.workspace_bytes,
-                       own_format() ? 1 : kk().panel_tiles);
+    return Tile::carve(layout, plan.shape, plan.ld_k, plan.ld_v,
+                       own_format() ? 1 : kk().loop.panel_tiles);
   }
 
   // Converts key positions [pos0, pos1) of KV head hk of batch b into the packed buffers.
@@ -185,11 +180,39 @@ struct Call {
     for (i64 j0 = block.begin; j0 < block.end; j0 += kBlockKeys, ++tile) {
       const i64 n = std::min(kBlockKeys, block.end - j0);
       pack_rows(b, hk, j0, j0 + n, stage_k, stage_v);
-      unsigned char* at = tiles + std::size_t(tile) * tile_bytes;
-      kk().pack_k(stage_k, plan.ld_k, int(n), int(p.d), at);
-      kk().pack_v(stage_v, plan.ld_v, int(n), int(plan.dv_padded), at + plan.k_tile_bytes);
+      flash::pack_key_tile(kk(), stage_k, plan.ld_k, stage_v, plan.ld_v, n, p.d, plan.dv_padded,
+                           plan.k_tile_bytes, smoothed ? &*smoothed : nullptr, qscale,
+                           tiles + std::size_t(tile) * tile_bytes);
     }
   }
+  // SAGE's smoothing (item_driver.hpp, Smoothing) of KV head hk of batch item b: over its
+  // visible keys and the valid query rows of its query heads; `row` is scratch of d floats.
+  void smooth(i64 b, i64 hk, float* row) {
+    thread_local std::vector<i64> keys;
+    keys.clear();
+    for (i64 pos = 0; pos < i64(key_ok.size()); ++pos)
+      if (key_ok[std::size_t(pos)]) keys.push_back(tiling.keys.order()[std::size_t(pos)]);
+    const i64 group = p.group_size(), nq = i64(rows.size());
+    const auto load_key = [&](i64 j, float* dst) {
+      const RowRef kr = p.k_row(keys[std::size_t(j)]);
+      const TensorView& kt = *kr.view;
+      load_elements(kk(), kt, b * kt.stride(0) + kr.row * kt.stride(1) + hk * kt.stride(2), p.d,
+                    1.0f, dst);
+    };
+    const auto load_query = [&](i64 n, float* dst) {  // head by head
+      const i64 h = hk * group + n / std::max<i64>(nq, 1);
+      const RowRef qr =
+          p.q_row(tiling.queries.order()[std::size_t(rows[std::size_t(n % std::max<i64>(nq, 1))])]);
+      const TensorView& q = *qr.view;
+      load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), p.d, 1.0f,
+                    dst);
+    };
+    smoothing.resize(Smoothing::kFloatsPerChannel * std::size_t(p.d));
+    Smoothing::compute(smoothing.data(), p.d, plan.balance_qk, i64(keys.size()), load_key,
+                       group * nq, load_query, row);
+    smoothed = Smoothing::at(smoothing.data(), p.d);
+  }
+
   // Key positions [pos0, pos1) as f32 rows from kd0 / vd0 on (strides ld_k / ld_v).
   void pack_rows(i64 b, i64 hk, i64 pos0, i64 pos1, float* kd0, float* vd0) const {
     const i64 d = p.d, dv = p.dv;
@@ -233,7 +256,7 @@ struct Call {
       auto& t = *static_cast<SelectedChunks*>(ctx);
       const Call& call = t.call;
       const SparsePlan& plan = call.plan;
-      const int slot_index = n % call.kk().panel_tiles;
+      const int slot_index = n % call.kk().loop.panel_tiles;
       Tile::Slot& slot = t.s.slots[std::size_t(slot_index)];
       for (; t.c < t.chunks.size();) {
         const std::size_t c = t.c++;
@@ -292,7 +315,7 @@ struct Call {
       // hardware streams; a whole tile's prefetches two tiles ahead measured no better.
       const TileRef& r = t.refs[std::size_t(n)];
       const unsigned char* k = t.at(std::size_t(n));
-      flash::KeyTile& tile = t.ring[std::size_t(n % t.call.kk().panel_tiles)];
+      flash::KeyTile& tile = t.ring[std::size_t(n % t.call.kk().loop.panel_tiles)];
       tile = {k, k + t.call.plan.k_tile_bytes, int(r.n), !r.all, r.j0};
       return &tile;
     }
@@ -306,33 +329,23 @@ struct Call {
   };
 
   void process(i64 b, const Item& it, float* scratch) const {
-    const i64 d = p.d, dvp = plan.dv_padded, nrows = it.count;
-    const i64 rows_p = round_up(nrows, kk().row_align);
+    const i64 d = p.d, nrows = it.count;
     ScratchLayout layout(scratch);
     Tile s = carve(layout);
-    // Engines with their own operand formats take Q unscaled and scale the logits in f32.
-    const float q_scale = own_format() ? 1.0f : qscale;
     const i64 h = it.head;
     const i64* positions = rows.data() + it.first;
-    for (i64 r = 0; r < nrows; ++r) {
+    const auto load_query = [&](i64 r, float* dst, float scale) {  // row r: positions[r]
       const RowRef qr = p.q_row(tiling.queries.order()[std::size_t(positions[r])]);
       const TensorView& q = *qr.view;
-      load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, q_scale,
-                    s.row);
-      for (i64 e = 0; e < d; ++e) s.qt[e * s.ld_rows + r] = s.row[e];
-    }
-    for (i64 e = 0; e < d; ++e)
-      std::fill(s.qt + e * s.ld_rows + nrows, s.qt + (e + 1) * s.ld_rows, 0.0f);
-    std::fill(s.m, s.m + rows_p, kNegInf);
-    std::fill(s.l, s.l + rows_p, 0.0f);
-    std::fill(s.o, s.o + rows_p * s.ld_o, 0.0f);
-    if (own_format()) kk().pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(dvp), qscale, s.ws);
+      load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, scale,
+                    dst);
+    };
+    const Smoothing* sm = smoothed ? &*smoothed : nullptr;
+    const flash::ItemState state = flash::begin_item(kk(), plan.shape, s.item, nrows, plan.ld_k,
+                                                     plan.ld_v, qscale, sm, load_query);
 
     const auto& kblocks = tiling.keys.blocks();
     const auto selected = map.selected(b, h, it.qblock);
-    const flash::ItemState state{s.qt,   s.st,     s.ld_rows, s.o,        s.ld_o,
-                                 s.m,    s.l,      s.alpha,   int(nrows), int(rows_p),
-                                 int(d), int(dvp), plan.ld_k, plan.ld_v,  s.ws};
     if (own_format()) {
       thread_local std::vector<TileRef> refs;
       refs.clear();
@@ -352,17 +365,19 @@ struct Call {
       attend_chunks(selected, s, int(nrows), state);
     }
 
+    flash::end_item(s.item, nrows, qscale, sm);
     const bool gated = gate.has_value();
     if (gated) coarse(b, h, it.qblock, s.coarse);
     const flash::OutputRows out(p, kk());
     for (i64 r = 0; r < nrows; ++r) {
       const i64 row = tiling.queries.order()[std::size_t(positions[r])];
-      float* o_row = s.o + r * s.ld_o;
-      if (gated && s.l[r] > 0.0f) {  // fine / l + gate * coarse, then written as it is
-        add_gated(b, h, row, 1.0f / s.l[r], o_row, s.coarse);
-        out.finish(o_row, s.m[r], s.l[r], b, h, row, 1.0f);
+      float* o_row = s.item.o + r * s.item.ld_o;
+      const float m = s.item.m[r], l = s.item.l[r];
+      if (gated && l > 0.0f) {  // fine / l + gate * coarse, then written as it is
+        add_gated(b, h, row, 1.0f / l, o_row, s.coarse);
+        out.finish(o_row, m, l, b, h, row, 1.0f);
       } else {
-        out.finish(o_row, s.m[r], s.l[r], b, h, row);
+        out.finish(o_row, m, l, b, h, row);
       }
     }
   }
@@ -475,13 +490,15 @@ class VideoSparseImpl final : public Impl {
         cap_(flash::options_cap(config.backend_kwargs)),
         compute_(flash::parse_compute_dtype(config.backend_kwargs)) {
     (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
-    // qk_dtype int8: the selected blocks on SAGE's engines (8-bit Q.K^T, P.V by pv_dtype; no
-    // K smoothing: that is SAGE's driver's).
+    // qk_dtype int8: the selected blocks on SAGE's engines (8-bit Q.K^T, P.V by pv_dtype, K
+    // smoothed per batch item and KV head by smooth_k and balance_qk as SAGE's).
     if (const auto it = config.backend_kwargs.find("qk_dtype"); it != config.backend_kwargs.end()) {
       const auto* name = std::get_if<std::string>(&it->second);
       if (name != nullptr && names_equal(*name, "int8")) {
         compute_ = flash::ComputeDtype::int8;
         pv_ = flash::parse_pv_dtype(config.backend_kwargs);
+        smooth_k_ = flash::parse_bool_option(config.backend_kwargs, "smooth_k");
+        balance_qk_ = flash::parse_bool_option(config.backend_kwargs, "balance_qk");
         (void)flash::int8_engine_kernels(
             flash::select_engine(cap_, DType::F32, flash::ComputeDtype::int8), pv_);
       } else if (name == nullptr || !names_equal(*name, "auto")) {
@@ -514,15 +531,15 @@ class VideoSparseImpl final : public Impl {
     plan->ld_k = round_up(p.d, 16) + kStridePad;
     plan->ld_v = plan->dv_padded + kStridePad;
     plan->threads = std::max(p.threads, 1);
-    if (kk.workspace_bytes != nullptr) {
-      plan->workspace_bytes =
-          kk.workspace_bytes(int(round_up(kMaxRows, kk.row_align)), int(p.d), int(plan->dv_padded));
-      plan->k_tile_bytes = kk.k_tile_bytes(int(p.d));
-      plan->v_tile_bytes = kk.v_tile_bytes(int(plan->dv_padded));
+    plan->shape = ItemShape::of(kk, kMaxRows, p.d, plan->dv_padded);
+    if (kk.formats.own()) {
+      plan->k_tile_bytes = kk.formats.k_tile_bytes(int(p.d));
+      plan->v_tile_bytes = kk.formats.v_tile_bytes(int(plan->dv_padded));
     }
-    plan->scratch_floats =
-        Tile::floats(p.d, plan->dv_padded, plan->ld_k, plan->ld_v, plan->workspace_bytes,
-                     kk.pack_k != nullptr ? 1 : kk.panel_tiles);
+    plan->smooth_k = compute_ == flash::ComputeDtype::int8 && smooth_k_ && kk.formats.own();
+    plan->balance_qk = plan->smooth_k && balance_qk_;
+    plan->scratch_floats = Tile::floats(plan->shape, plan->ld_k, plan->ld_v,
+                                        kk.formats.own() ? 1 : kk.loop.panel_tiles);
     return plan;
   }
 
@@ -546,7 +563,7 @@ class VideoSparseImpl final : public Impl {
     const i64 used_k = t.keys.used_len();
     const auto& qblocks = t.queries.blocks();
     const auto& kblocks = t.keys.blocks();
-    const bool own_format = plan.kernels.pack_k != nullptr;
+    const bool own_format = plan.kernels.formats.own();
     std::vector<i64> block_tile0(kblocks.size() + 1, 0);
     for (std::size_t kb = 0; kb < kblocks.size(); ++kb)
       block_tile0[kb + 1] =
@@ -556,9 +573,10 @@ class VideoSparseImpl final : public Impl {
         own_format ? lease->get((std::size_t(block_tile0.back()) * tile_bytes + sizeof(float) - 1) /
                                 sizeof(float))
                    : lease->get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
-    Call call{p,      plan,    t,       map,     pooled ? &*pooled : nullptr,
-              o.gate, nullptr, nullptr, nullptr, 0,
-              {},     {},      {},      {},      1.0f};
+    Call call{p,      plan,        t,       map,     pooled ? &*pooled : nullptr,
+              o.gate, nullptr,     nullptr, nullptr, 0,
+              {},     {},          {},      {},      1.0f,
+              {},     std::nullopt};
     if (own_format) {
       call.tiles = reinterpret_cast<unsigned char*>(packed);
       call.tile_bytes = tile_bytes;
@@ -594,31 +612,24 @@ class VideoSparseImpl final : public Impl {
         const std::vector<Item> items = items_for(call, b, hk);
         const auto count = static_cast<i64>(items.size());
         const auto nkb = static_cast<i64>(kblocks.size());
-        detail::ParallelFault fault;  // kept inside the region, rethrown after it
-#pragma omp parallel num_threads(plan.threads)
-        {
-          float* scratch = nullptr;
-          fault.run([&] { scratch = flash::thread_floats(plan.scratch_floats); });
-#pragma omp for schedule(dynamic, 4)
-          for (i64 kb = 0; kb < nkb; ++kb)
-            fault.run([&] {
-              if (own_format) {
-                ScratchLayout layout(scratch);
-                const Tile stage = call.carve(layout);
-                call.pack_tiles(b, hk, std::size_t(kb), stage.slots[0].k, stage.slots[0].v);
-              } else {
-                call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
-              }
-            });
-          const TileKernels& kk = plan.kernels;
-          const bool tiles = kk.thread_begin != nullptr && !fault.failed();
-          if (tiles) kk.thread_begin();
-#pragma omp for schedule(dynamic, 1)
-          for (i64 n = 0; n < count; ++n)
-            fault.run([&] { call.process(b, items[std::size_t(n)], scratch); });
-          if (tiles && kk.thread_end != nullptr) kk.thread_end();
-        }
-        fault.rethrow();
+        // One fault-guarded region (item_driver.hpp): the smoothing, this head's K/V, its items.
+        flash::run_parallel(plan.threads, plan.scratch_floats, 0, [&](DriverThread& thread) {
+          if (plan.smooth_k)
+            thread.loop(0, 1, 1, [&](i64) { call.smooth(b, hk, thread.scratch()); });
+          thread.loop(0, nkb, 4, [&](i64 kb) {
+            if (own_format) {
+              ScratchLayout layout(thread.scratch());
+              const Tile stage = call.carve(layout);
+              call.pack_tiles(b, hk, std::size_t(kb), stage.slots[0].k, stage.slots[0].v);
+            } else {
+              call.pack(b, hk, kblocks[std::size_t(kb)].begin, kblocks[std::size_t(kb)].end);
+            }
+          });
+          thread.with_engine(plan.kernels, [&] {
+            thread.loop(0, count, 1,
+                        [&](i64 n) { call.process(b, items[std::size_t(n)], thread.scratch()); });
+          });
+        });
       }
     }
   }
@@ -675,6 +686,7 @@ class VideoSparseImpl final : public Impl {
   const flash::Engine* cap_;  // nullptr: automatic
   flash::ComputeDtype compute_;
   flash::PvDtype pv_ = flash::PvDtype::automatic;
+  bool smooth_k_ = true, balance_qk_ = true;  // with qk_dtype int8
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
   mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call

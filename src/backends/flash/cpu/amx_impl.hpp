@@ -10,7 +10,7 @@
 // releases them) and ensure() (begin() unless this thread already did).
 //
 // Tiles 0-3 accumulate a 32 x 32 block of f32 (2 x 2 tiles of 16 x 16), 4-5 hold A, 6-7 hold B:
-// one tile load per multiply. The engine owns its inner loop (kernels.hpp, TileKernels::attend):
+// one tile load per multiply. The engine owns its inner loop (kernels.hpp, InnerLoop::attend):
 // it computes S = Q.K^T with query rows as rows, so that the probabilities come out as rows
 // that are directly the A operand of P.V (no transposition), over key panels of up to
 // kPanelTiles tiles, and O goes through the tiles once per panel. Layouts (a pair: the even
@@ -186,7 +186,7 @@ struct Bf16Operands {
   static void to_logits(const Ws&, float*, int, const KeyTile&, int) {}
 };
 
-// TileKernels::attend: a work item panel by panel.
+// InnerLoop::attend: a work item panel by panel.
 template <class T, class D, class P = Bf16Operands>
 void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
   T::ensure();
@@ -264,8 +264,8 @@ void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
     }
     // P as pairs over keys straight from the softmax, zeros up to whole 16-pair steps.
     const int k2 = (total + 1) / 2, k2p = (k2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
-    kk.softmax_rows_pairs(w.s, kLdS, rows_p, total, P::kInt8 ? 1.0f : w.scale, !P::kInt8 && !hook,
-                          st.m, st.l, st.alpha, w.p, kLdP, k2p);
+    kk.row_softmax.softmax_rows_pairs(w.s, kLdS, rows_p, total, P::kInt8 ? 1.0f : w.scale,
+                                      !P::kInt8 && !hook, st.m, st.l, st.alpha, w.p, kLdP, k2p);
 
     // O *= alpha for the rows whose reference moved (the lazy max: seldom after the first
     // panels), then O += P.V through the tiles.
@@ -296,7 +296,7 @@ void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
 
 // `softmax`: the engine's own softmax_rows_pairs (nullptr: the base kernels').
 template <class T, class D>
-constexpr Bf16Functions amx_functions(decltype(TileKernels::softmax_rows_pairs) softmax = nullptr) {
+constexpr Bf16Functions amx_functions(decltype(RowSoftmax::softmax_rows_pairs) softmax = nullptr) {
   // No qk / pv: the engine has its own inner loop (attend).
   return {nullptr,       nullptr,       &workspace_bytes, &pack_q<D>, &k_tile_bytes,
           &v_tile_bytes, &pack_k<D>,    &pack_v<D>,       32,         &T::begin,

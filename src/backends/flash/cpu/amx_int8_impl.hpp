@@ -135,7 +135,7 @@ struct Int8Operands {
   }
 };
 
-// TileKernels::qk for amx_int8 (the logits as S^T, qk's contract; attend does not use it): the
+// TileSteps::qk for amx_int8 (the logits as S^T, qk's contract; attend does not use it): the
 // tile's S = Q.K^T through the same tiles and conversion in the workspace's s, then transposed.
 template <class T, class D>
 void int8_tile_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/,
@@ -161,7 +161,7 @@ void int8_tile_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/,
 
 template <class T, class D>
 constexpr Bf16Functions amx_int8_functions(
-    decltype(TileKernels::softmax_rows_pairs) softmax = nullptr) {
+    decltype(RowSoftmax::softmax_rows_pairs) softmax = nullptr) {
   return {&int8_tile_qk<T, D>,
           nullptr,
           &int8_tile_workspace_bytes,
@@ -182,6 +182,6 @@ constexpr Bf16Functions amx_int8_functions(
 inline TileKernels amx_int8_tile_kernels(std::string_view engine, const TileKernels& base,
                                          const Bf16Functions& f) {
   TileKernels k = bf16_tile_kernels(engine, base, f);
-  k.set_key_bias = &int8_set_key_bias;
+  k.formats.set_key_bias = &int8_set_key_bias;
   return k;
 }

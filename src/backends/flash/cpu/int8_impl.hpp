@@ -57,7 +57,7 @@ Int8Sizes int8_sizes(int rows_p, int d, int dv) {
   return {int8_align64(sizeof(Int8Header)),
           int8_align64(std::size_t(groups_of<I>(d)) * std::size_t(rows_p) * 4),
           int8_align64(std::size_t(rows_p) * sizeof(float)),
-          b.workspace_bytes != nullptr ? b.workspace_bytes(rows_p, d, dv) : 0};
+          b.formats.workspace_bytes != nullptr ? b.formats.workspace_bytes(rows_p, d, dv) : 0};
 }
 
 template <class I, const TileKernels& (*Base)()>
@@ -172,7 +172,8 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   h->rows_p = rows_p;
   h->dg = groups_of<I>(d);
   const TileKernels& b = Base();
-  if (b.pack_q != nullptr) b.pack_q(qt, ldqt, rows_p, d, dv, logit_scale, h->base_ws);
+  if (b.formats.pack_q != nullptr)
+    b.formats.pack_q(qt, ldqt, rows_p, d, dv, logit_scale, h->base_ws);
   // Per row: the largest magnitude (in qs) and whether every element is finite (inv = 0/1).
   for (int r = 0; r < rows_p; ++r) h->qs[r] = 0.0f, h->inv[r] = 1.0f;
   for (int e = 0; e < d; ++e) {
@@ -263,21 +264,21 @@ void int8_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std:
 template <const TileKernels& (*Base)()>
 void int8_pv(const float* pt, std::int64_t ldpt, const void* v, std::int64_t ldv, float* o,
              std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* ws) {
-  Base().pv(pt, ldpt, v, ldv, o, ldo, alpha, rows, keys, dv,
-            static_cast<const Int8Header*>(ws)->base_ws);
+  Base().steps.pv(pt, ldpt, v, ldv, o, ldo, alpha, rows, keys, dv,
+                  static_cast<const Int8Header*>(ws)->base_ws);
 }
 
 template <const TileKernels& (*Base)()>
 std::size_t int8_v_tile_bytes(int dv) {
   const TileKernels& b = Base();
-  if (b.v_tile_bytes != nullptr) return b.v_tile_bytes(dv);
+  if (b.formats.v_tile_bytes != nullptr) return b.formats.v_tile_bytes(dv);
   return int8_align64(std::size_t(kTileKeys) * std::size_t(dv + kInt8StridePad) * sizeof(float));
 }
 
 template <const TileKernels& (*Base)()>
 void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) {
   const TileKernels& b = Base();
-  if (b.pack_v != nullptr) return b.pack_v(v, ld, keys, dv, tile);
+  if (b.formats.pack_v != nullptr) return b.formats.pack_v(v, ld, keys, dv, tile);
   std::copy(v, v + std::int64_t(keys) * ld, static_cast<float*>(tile));
 }
 

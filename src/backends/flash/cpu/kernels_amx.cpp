@@ -5,7 +5,7 @@
 // run on every machine.
 //
 // Each thread loads its tile configuration before its first tile instruction of a run and
-// releases the tiles after its last (TileKernels::thread_begin / thread_end); the process asks
+// releases the tiles after its last (InnerLoop::thread_begin / thread_end); the process asks
 // Linux for the tile state once, before the engine is offered (core/amx_permission.hpp).
 #include <algorithm>
 #include <cmath>

@@ -30,18 +30,18 @@ TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
   TileKernels k = base;
   k.engine = engine;
   k.row_align = std::lcm(base.row_align, f.align);
-  k.qk = f.qk;
-  k.pv = f.pv;
-  k.workspace_bytes = f.workspace_bytes;
-  k.pack_q = f.pack_q;
-  k.k_tile_bytes = f.k_tile_bytes;
-  k.v_tile_bytes = f.v_tile_bytes;
-  k.pack_k = f.pack_k;
-  k.pack_v = f.pack_v;
-  k.set_key_bias = f.set_key_bias;
-  k.attend = nullptr;  // tile by tile: qk here, the base's softmax_tile and pv
-  k.panel_tiles = 1;
-  k.thread_begin = k.thread_end = nullptr;
+  k.steps.qk = f.qk;
+  k.steps.pv = f.pv;
+  k.formats.workspace_bytes = f.workspace_bytes;
+  k.formats.pack_q = f.pack_q;
+  k.formats.k_tile_bytes = f.k_tile_bytes;
+  k.formats.v_tile_bytes = f.v_tile_bytes;
+  k.formats.pack_k = f.pack_k;
+  k.formats.pack_v = f.pack_v;
+  k.formats.set_key_bias = f.set_key_bias;
+  k.loop.attend = nullptr;  // tile by tile: qk here, the base's softmax_tile and pv
+  k.loop.panel_tiles = 1;
+  k.loop.thread_begin = k.loop.thread_end = nullptr;
   return k;
 }
 

@@ -355,7 +355,7 @@ typename V::reg row_probabilities(float* row, std::uint16_t* out16, int kp, type
   return V::add(sum0, sum1);
 }
 
-// TileKernels::softmax_rows (Pairs false) and softmax_rows_pairs (true): the rule of
+// RowSoftmax::softmax_rows (Pairs false) and softmax_rows_pairs (true): the rule of
 // softmax_tile along rows instead of columns. Where V reduces W vectors at once (hmax_rows,
 // hsum_rows), rows go in groups of W: their maxima, references and sums in vectors, one lane per
 // row, instead of two horizontal reductions and a scalar exp per row.
@@ -470,9 +470,8 @@ void softmax_rows_pairs(float* s, std::int64_t lds, int rows, int keys, float sc
 
 template <class V>
 constexpr TileKernels make_tile_kernels(std::string_view engine) {
-  TileKernels k{engine,           2 * V::W, 2 * V::W,     &qk<V>,
-                &softmax_tile<V>, &pv<V>,   &load_row<V>, &store_row<V>};
-  k.softmax_rows = &softmax_rows<V>;
-  k.softmax_rows_pairs = &softmax_rows_pairs<V>;
+  TileKernels k{engine, 2 * V::W, 2 * V::W, {&load_row<V>, &store_row<V>}};
+  k.steps = {&qk<V>, &softmax_tile<V>, &pv<V>};
+  k.row_softmax = {&softmax_rows<V>, &softmax_rows_pairs<V>};
   return k;
 }
