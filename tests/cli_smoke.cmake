@@ -168,7 +168,7 @@ if(NOT emu_svg MATCHES "FLASH bf16 \\(avx512_bf16_emulated\\)" OR NOT emu_svg MA
 endif()
 # Bad values: a usage error naming the option; engine options on a backend without engines:
 # an error naming the option.
-foreach(bad "--isa;sse9" "--compute-dtype;f64")
+foreach(bad "--isa;sse9" "--compute-dtype;f64" "--pv-dtype;f64")
   list(GET bad 0 option)
   run_dattn(BADOPT run --workload small --heads 1 ${bad})
   if(NOT BADOPT_RC EQUAL 2 OR NOT "${BADOPT_OUT}${BADOPT_ERR}" MATCHES "${option}")
@@ -176,6 +176,13 @@ foreach(bad "--isa;sse9" "--compute-dtype;f64")
                         "${BADOPT_OUT}${BADOPT_ERR}")
   endif()
 endforeach()
+# SAGE with P.V in 8 bits (--pv-dtype int8) runs and names an int8 engine.
+run_dattn(PV8 run --workload small --heads 1 --backend sage --pv-dtype int8 --json)
+expect_success(PV8 "dattn run --backend sage --pv-dtype int8")
+if(NOT PV8_OUT MATCHES "\"peak_kind\": *\"int8_dot\"")
+  message(FATAL_ERROR "dattn run --backend sage --pv-dtype int8: not on an int8 engine:\n"
+                      "${PV8_OUT}")
+endif()
 run_dattn(BADBACKEND bench --workload small --heads 1 --backend reference --isa portable)
 if(NOT BADBACKEND_RC EQUAL 1 OR NOT BADBACKEND_ERR MATCHES "--isa.*REFERENCE|--isa.*reference")
   message(FATAL_ERROR "dattn bench --backend reference --isa portable should fail naming --isa:"

@@ -45,6 +45,8 @@ struct MeasureOptions {
   // ("f32" or "bf16") and isa (an engine of flash_engines(), the cap); empty = not given.
   std::string compute_dtype;
   std::string isa;
+  // SAGE's backend option pv_dtype ("auto", "bf16", "f32" or "int8"); FLASH ignores it.
+  std::string pv_dtype;
 };
 void add_measure_options(CLI::App& command, MeasureOptions& options);
 

@@ -262,6 +262,12 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
                   "FLASH / VIDEO_SPARSE backend option compute_dtype: f32 (exact to the inputs, "
                   "the default) or bf16 (f32/f16 inputs may then run on a bf16 engine)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  command
+      .add_option("--pv-dtype", options.pv_dtype,
+                  "SAGE backend option pv_dtype: auto (the default: bf16 where the engine has a "
+                  "bf16 P.V, else f32), bf16, f32, or int8 (P and V as 8-bit codes: faster, less "
+                  "accurate); the other backends ignore it")
+      ->check(CLI::IsMember({"auto", "bf16", "f32", "int8"}));
   std::string engines;
   for (const EngineInfo& e : flash_engines()) engines += (engines.empty() ? "" : ", ") + e.name;
   command
@@ -311,6 +317,7 @@ Measurement measurement_for(const Workload& workload, const MeasureOptions& opti
   if (!options.page_dtype.empty()) m.page_dtype = parse_dtype(options.page_dtype);
   if (!options.compute_dtype.empty()) m.backend_options["compute_dtype"] = options.compute_dtype;
   if (!options.isa.empty()) m.backend_options["isa"] = options.isa;
+  if (!options.pv_dtype.empty()) m.backend_options["pv_dtype"] = options.pv_dtype;
   return m;
 }
 

@@ -4,6 +4,7 @@
 #include <array>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <variant>
 
 #include "core/amx_permission.hpp"
@@ -230,11 +231,13 @@ PvDtype parse_pv_dtype(const BackendOptions& options) {
     return PvDtype::f32;
   if (name != nullptr && (names_equal(*name, "bf16") || names_equal(*name, "bfloat16")))
     return PvDtype::bf16;
+  if (name != nullptr && names_equal(*name, "int8")) return PvDtype::int8;
   throw InvalidArgument("pv_dtype",
                         "backend option pv_dtype = " +
                             (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
                             " is not valid; valid: auto (the default: bf16 where the engine has "
-                            "a bf16 P.V on this CPU, else f32), bf16, f32");
+                            "a bf16 P.V on this CPU, else f32), bf16, f32, int8 (P and V as 8-bit "
+                            "codes: faster, less accurate)");
 }
 
 bool parse_bool_option(const BackendOptions& options, const std::string& name) {
@@ -249,6 +252,22 @@ const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {
   const bool vnni512_twin = e.kernels == &avx512_vnni_emulated_kernels;
   const bool amx = e.kernels == &amx_int8_kernels;
   const bool amx_twin = e.kernels == &amx_int8_emulated_kernels;
+  if (pv == PvDtype::int8) {
+    // amx_int8's P.V is on bf16 tiles: an 8-bit P.V is avx512_vnni's (the engine then reported).
+    const std::pair<const TileKernels& (*)(), const TileKernels& (*)()> pv8[] = {
+        {&portable_int8_kernels, &portable_int8_pv8_kernels},
+        {&avx2_int8_kernels, &avx2_int8_pv8_kernels},
+        {&avx2_int8_emulated_kernels, &avx2_int8_emulated_pv8_kernels},
+        {&avx_vnni_kernels, &avx_vnni_pv8_kernels},
+        {&avx_vnni_emulated_kernels, &avx_vnni_emulated_pv8_kernels},
+        {&avx512_vnni_kernels, &avx512_vnni_pv8_kernels},
+        {&avx512_vnni_emulated_kernels, &avx512_vnni_emulated_pv8_kernels},
+        {&amx_int8_kernels, &avx512_vnni_pv8_kernels},
+        {&amx_int8_emulated_kernels, &avx512_vnni_emulated_pv8_kernels}};
+    for (const auto& [engine, kernels] : pv8)
+      if (e.kernels == engine) return kernels();
+    return e.kernels();
+  }
   if (pv == PvDtype::f32) {
     // amx_int8's P.V is on bf16 tiles: an f32 P.V is avx512_vnni's (the engine then reported).
     if (vnni512 || amx) return avx512_vnni_f32_pv_kernels();

@@ -76,8 +76,10 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options);
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute);
 
 // What a SAGE engine computes P.V in (backend option pv_dtype): auto (bf16 where the engine has
-// a bf16 base on this CPU, else f32), bf16, f32. InvalidArgument naming pv_dtype otherwise.
-enum class PvDtype { automatic, bf16, f32 };
+// a bf16 base on this CPU, else f32), bf16, f32, int8 (P and V as 8-bit codes on the engine's
+// integer dot: faster, less accurate; amx_int8 then runs avx512_vnni's). InvalidArgument naming
+// pv_dtype otherwise.
+enum class PvDtype { automatic, bf16, f32, int8 };
 PvDtype parse_pv_dtype(const BackendOptions& options);
 // A bool backend option (SAGE's smooth_k, balance_qk): true when absent; InvalidArgument naming
 // it when not a bool.

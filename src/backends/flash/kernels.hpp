@@ -281,7 +281,8 @@ struct Int8Functions {
   decltype(OperandFormats::pack_k) pack_k;
   decltype(OperandFormats::pack_v) pack_v;
   decltype(OperandFormats::set_key_bias) set_key_bias;
-  int align;  // query rows per qk micro-tile
+  int align;          // query rows per qk micro-tile
+  int col_align = 0;  // output columns per pv micro-tile where it has its own (0: the base's)
 };
 // The f32 engines' padding of V rows in scratch and panels (tile_io.hpp's kStridePad), which an
 // 8-bit engine on an f32 base keeps in its V tiles.
@@ -310,6 +311,15 @@ const TileKernels& avx512_vnni_kernels();  // P.V in bf16 where the CPU can, els
 const TileKernels& avx512_vnni_f32_pv_kernels();
 const TileKernels& avx512_vnni_emulated_kernels();  // P.V on the emulated bf16 dot
 const TileKernels& avx512_vnni_emulated_f32_pv_kernels();
+// The same engines with P.V in 8 bits (pv_dtype int8, int8_impl.hpp: P codes per row and tile, V
+// codes per tile and column, the engine's own integer dot) on their f32 bases.
+const TileKernels& portable_int8_pv8_kernels();
+const TileKernels& avx2_int8_pv8_kernels();
+const TileKernels& avx2_int8_emulated_pv8_kernels();
+const TileKernels& avx_vnni_pv8_kernels();
+const TileKernels& avx_vnni_emulated_pv8_kernels();
+const TileKernels& avx512_vnni_pv8_kernels();
+const TileKernels& avx512_vnni_emulated_pv8_kernels();
 // AMX tiles (tdpbf16ps: bf16 pair products accumulated in f32), and the twin that emulates the
 // tile registers and instructions in portable C++ (the same layouts, blocking and order).
 const TileKernels& amx_kernels();

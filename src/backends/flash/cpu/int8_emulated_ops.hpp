@@ -37,6 +37,16 @@ struct EmulatedInt8Ops {
     for (int i = 0; i < W; ++i) acc.lane[i] += group_dot(q.lane[i], k);
     return acc;
   }
+  // P.V: the unsigned P group broadcast against the signed V groups (symmetric for G = 2).
+  static ireg dot_pv(ireg acc, const ireg& v, std::uint32_t p) {
+    for (int i = 0; i < W; ++i) acc.lane[i] += group_dot(p, v.lane[i]);
+    return acc;
+  }
+  static void accumulate(float* o, const ireg& acc, float alpha, float ps, const float* vs) {
+    for (int i = 0; i < W; ++i)
+      o[i] = std::fma(static_cast<float>(static_cast<std::int32_t>(acc.lane[i])), ps * vs[i],
+                      o[i] * alpha);
+  }
   static void logits(float* st, const ireg& acc, std::int32_t corr, const float* qs, float ks,
                      float kb) {
     for (int i = 0; i < W; ++i) {

@@ -282,6 +282,167 @@ void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) 
   std::copy(v, v + std::int64_t(keys) * ld, static_cast<float*>(tile));
 }
 
+// P.V in 8 bits (pv_dtype int8): P as unsigned codes per (row, tile), V as signed codes per
+// (tile, column), the same integer dot as Q.K^T (I::dot_pv), f32 accumulation across tiles.
+//   V tile   [dv] f32 column scales (max over the tile's keys of |v| / 127; NaN where one is not
+//            finite, 0 for an all-zero column) | [kTileKeys / G][dv] groups of G keys' codes
+//            per column (missing keys code 0)
+//   workspace: the f32 base's (none) replaced by [kTileKeys / G][rows_p] groups of P codes
+//            per row | [rows_p] P scales
+// P is in [0, 1] after the softmax step; row r's codes are floor(p * 255 / pmax_r + 1/2) in
+// [0, 255] with scale pmax_r / 255 (a row whose tile is all zero or NaN gets scale 0 or NaN;
+// a NaN row is NaN already through its sum). Each tile adds float(dot) * (ps_r * vs_c) to
+// O[r][c] * alpha_r in one fused multiply-add (I::accumulate), so every engine rounds alike.
+template <class I>
+constexpr int pv_groups() {
+  return kTileKeys / I::G;
+}
+
+template <class I>
+std::size_t int8pv_v_tile_bytes(int dv) {
+  return int8_align64(std::size_t(dv) * sizeof(float)) +
+         int8_align64(std::size_t(pv_groups<I>()) * std::size_t(dv) * 4);
+}
+
+template <class I>
+void int8pv_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) {
+  auto* vs = static_cast<float*>(tile);
+  auto* groups = reinterpret_cast<std::uint32_t*>(static_cast<unsigned char*>(tile) +
+                                                  int8_align64(std::size_t(dv) * sizeof(float)));
+  thread_local std::vector<float> inv;
+  inv.resize(std::size_t(dv));
+  for (int c = 0; c < dv; ++c) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int j = 0; j < keys; ++j) {
+      const float x = v[j * ld + c];
+      finite = finite && std::isfinite(x);
+      amax = std::max(amax, std::fabs(x));
+    }
+    const Quant qn = quant_of(amax, finite);
+    vs[c] = qn.scale;
+    inv[std::size_t(c)] = qn.inv;
+  }
+  for (int g = 0; g < pv_groups<I>(); ++g)
+    for (int c = 0; c < dv; ++c) {
+      int codes[4] = {0, 0, 0, 0};
+      for (int t = 0; t < I::G; ++t) {
+        const int j = g * I::G + t;
+        codes[t] = j < keys ? code_of(v[j * ld + c], inv[std::size_t(c)]) : 0;
+      }
+      groups[std::int64_t(g) * dv + c] = group_bits<I>(codes);
+    }
+}
+
+inline std::size_t int8pv_p_bytes(int rows_p, int groups) {
+  return int8_align64(std::size_t(groups) * std::size_t(rows_p) * 4) +
+         int8_align64(std::size_t(rows_p) * sizeof(float));
+}
+
+template <class I, const TileKernels& (*Base)()>
+std::size_t int8pv_workspace_bytes(int rows_p, int d, int dv) {
+  return int8_sizes<I, Base>(rows_p, d, dv).total() + int8pv_p_bytes(rows_p, pv_groups<I>());
+}
+
+// int8_pack_q, then the P area after it (in the header's base_ws: the f32 base has none).
+template <class I, const TileKernels& (*Base)()>
+void int8pv_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, float logit_scale,
+                   void* ws) {
+  int8_pack_q<I, Base>(qt, ldqt, rows_p, d, dv, logit_scale, ws);
+  static_cast<Int8Header*>(ws)->base_ws =
+      static_cast<unsigned char*>(ws) + int8_sizes<I, Base>(rows_p, d, dv).total();
+}
+
+// O[r][c..c+2W) for MR rows: p points at the P groups of row r0 (stride rows_p), v at column c.
+template <class I, int MR>
+inline void int8pv_rows(const std::uint32_t* p, int rows_p, const float* ps, const std::uint32_t* v,
+                        const float* vs, int dv, float* o, std::int64_t ldo, const float* alpha) {
+  using R = typename I::ireg;
+  R acc[MR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = I::zero();
+  for (int g = 0; g < pv_groups<I>(); ++g) {
+    const R v0 = I::load(v + std::int64_t(g) * dv);
+    const R v1 = I::load(v + std::int64_t(g) * dv + I::W);
+    const std::uint32_t* pg = p + std::int64_t(g) * rows_p;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = I::dot_pv(acc[r][0], v0, pg[r]);
+      acc[r][1] = I::dot_pv(acc[r][1], v1, pg[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    I::accumulate(o + r * ldo, acc[r][0], alpha[r], ps[r], vs);
+    I::accumulate(o + r * ldo + I::W, acc[r][1], alpha[r], ps[r], vs + I::W);
+  }
+}
+
+template <class I, int MR>
+inline void int8pv_tail(int n, const std::uint32_t* p, int rows_p, const float* ps,
+                        const std::uint32_t* v, const float* vs, int dv, float* o, std::int64_t ldo,
+                        const float* alpha) {
+  if constexpr (MR > 0) {
+    if (n == MR) return int8pv_rows<I, MR>(p, rows_p, ps, v, vs, dv, o, ldo, alpha);
+    int8pv_tail<I, MR - 1>(n, p, rows_p, ps, v, vs, dv, o, ldo, alpha);
+  }
+}
+
+// The P codes of one tile: pt is S^T [keys][ldpt] (probabilities, rows in columns; rows_p a
+// multiple of 2W): per row its largest p (a NaN p is ignored) gives the scale pmax / 255 (0 for
+// a row of zeros) and the codes min(max(p * (255 / pmax), 0), 255) + 1/2 truncated (NaN: 0).
+// I::pack_p does it in vectors where the engine has it; this is the same f32 steps lane by lane.
+template <class I>
+void int8pv_pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
+                   float* ps) {
+  if constexpr (requires { I::pack_p(pt, ldpt, keys, rows_p, p, ps); }) {
+    I::pack_p(pt, ldpt, keys, rows_p, p, ps);
+  } else {
+    constexpr int kShift = 32 / I::G;
+    for (int r = 0; r < rows_p; ++r) {
+      float mx = 0.0f;
+      for (int j = 0; j < keys; ++j) mx = pt[j * ldpt + r] > mx ? pt[j * ldpt + r] : mx;
+      const bool some = mx > 0.0f;
+      const float inv = some ? 255.0f / mx : 0.0f;
+      ps[r] = some ? mx / 255.0f : 0.0f;
+      for (int g = 0; g < pv_groups<I>(); ++g) {
+        std::uint32_t codes = 0;
+        for (int t = 0; t < I::G && g * I::G + t < keys; ++t) {
+          const float y = pt[(g * I::G + t) * ldpt + r] * inv;
+          const float x = y > 0.0f ? (y < 255.0f ? y : 255.0f) : 0.0f;
+          codes |= std::uint32_t(x + 0.5f) << (kShift * t);
+        }
+        p[std::int64_t(g) * rows_p + r] = codes;
+      }
+    }
+  }
+}
+
+template <class I>
+void int8pv_pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*ldv*/,
+               float* o, std::int64_t ldo, const float* alpha, int rows, int keys, int dv,
+               void* ws) {
+  const Int8Header& h = *static_cast<const Int8Header*>(ws);
+  const int rows_p = h.rows_p;
+  auto* p = static_cast<std::uint32_t*>(h.base_ws);
+  auto* ps =
+      reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(p) +
+                               int8_align64(std::size_t(pv_groups<I>()) * std::size_t(rows_p) * 4));
+  int8pv_pack_p<I>(pt, ldpt, keys, rows_p, p, ps);
+  const auto* vs = static_cast<const float*>(v_tile);
+  const auto* v = reinterpret_cast<const std::uint32_t*>(
+      static_cast<const unsigned char*>(v_tile) + int8_align64(std::size_t(dv) * sizeof(float)));
+  constexpr int kRows = 8;  // 8 rows x 2W columns: 16 accumulators
+  for (int c = 0; c < dv; c += 2 * I::W) {
+    int r = 0;
+    for (; r + kRows <= rows; r += kRows)
+      int8pv_rows<I, kRows>(p + r, rows_p, ps + r, v + c, vs + c, dv, o + r * ldo + c, ldo,
+                            alpha + r);
+    int8pv_tail<I, kRows - 1>(rows - r, p + r, rows_p, ps + r, v + c, vs + c, dv, o + r * ldo + c,
+                              ldo, alpha + r);
+  }
+}
+
 // The functions an engine's TileKernels take from here (instantiated inside the including
 // file's target region; int8_tile_kernels() assembles them outside it).
 template <class I, const TileKernels& (*Base)()>
@@ -294,6 +455,22 @@ constexpr Int8Functions int8_functions() {
           &int8_v_tile_bytes<Base>,
           &int8_pack_k<I>,
           &int8_pack_v<Base>,
+          &int8_set_key_bias,
+          2 * I::W};
+}
+
+// The same engine with P.V in 8 bits (pv_dtype int8) on the f32 base `Base` (its softmax and row
+// conversions; its V format and P.V replaced).
+template <class I, const TileKernels& (*Base)()>
+constexpr Int8Functions int8pv_functions() {
+  return {&int8_qk<I>,
+          &int8pv_pv<I>,
+          &int8pv_workspace_bytes<I, Base>,
+          &int8pv_pack_q<I, Base>,
+          &int8_k_tile_bytes<I>,
+          &int8pv_v_tile_bytes<I>,
+          &int8_pack_k<I>,
+          &int8pv_pack_v<I>,
           &int8_set_key_bias,
           2 * I::W};
 }

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "backends/flash/kernels.hpp"
 
@@ -34,6 +35,36 @@ struct Avx2Lanes {
   static ireg load(const std::uint32_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
+  // int8_impl.hpp's int8pv_pack_p, 8 rows per vector (max_ps(x, m) keeps m where x is NaN),
+  // codes G to a group (shifts of 32 / G).
+  template <int G>
+  static void pack_p_groups(const float* pt, std::int64_t ldpt, int keys, int rows_p,
+                            std::uint32_t* p, float* ps) {
+    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.0f),
+                 half = _mm256_set1_ps(0.5f);
+    for (int r0 = 0; r0 < rows_p; r0 += W) {
+      __m256 mx = zero;
+      for (int j = 0; j < keys; ++j) mx = _mm256_max_ps(_mm256_loadu_ps(pt + j * ldpt + r0), mx);
+      const __m256 some = _mm256_cmp_ps(mx, zero, _CMP_GT_OQ);
+      const __m256 inv = _mm256_and_ps(some, _mm256_div_ps(top, mx));
+      _mm256_storeu_ps(ps + r0, _mm256_and_ps(some, _mm256_div_ps(mx, top)));
+      for (int g = 0; g < kTileKeys / G; ++g) {
+        __m256i codes = _mm256_setzero_si256();
+        for (int t = 0; t < G && g * G + t < keys; ++t) {
+          const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(pt + (g * G + t) * ldpt + r0), inv);
+          const __m256 x = _mm256_min_ps(_mm256_max_ps(y, zero), top);  // NaN y: 0
+          codes = _mm256_or_si256(
+              codes, _mm256_slli_epi32(_mm256_cvttps_epi32(_mm256_add_ps(x, half)), (32 / G) * t));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + std::int64_t(g) * rows_p + r0), codes);
+      }
+    }
+  }
+  static void accumulate(float* o, ireg acc, float alpha, float ps, const float* vs) {
+    const __m256 t = _mm256_mul_ps(_mm256_set1_ps(ps), _mm256_loadu_ps(vs));
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), t,
+                                        _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(alpha))));
+  }
   static void logits(float* st, ireg acc, std::int32_t corr, const float* qs, float ks, float kb) {
     __m256 x = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(corr)));
     x = _mm256_fmadd_ps(_mm256_mul_ps(x, _mm256_loadu_ps(qs)), _mm256_set1_ps(ks),
@@ -48,6 +79,12 @@ struct Avx2Int8 : Avx2Lanes {
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(q, _mm256_set1_epi32(std::int32_t(k))));
   }
+  // P.V: P codes (0..255) and V codes as int16 pairs; vpmaddwd is symmetric.
+  static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) { return dot(acc, v, p); }
+  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
+                     float* ps) {
+    pack_p_groups<G>(pt, ldpt, keys, rows_p, p, ps);
+  }
 };
 
 struct AvxVnni : Avx2Lanes {
@@ -56,10 +93,20 @@ struct AvxVnni : Avx2Lanes {
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     return _mm256_dpbusd_avx_epi32(acc, q, _mm256_set1_epi32(std::int32_t(k)));
   }
+  // P.V: unsigned P codes broadcast against signed V codes.
+  static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) {
+    return _mm256_dpbusd_avx_epi32(acc, _mm256_set1_epi32(std::int32_t(p)), v);
+  }
+  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
+                     float* ps) {
+    pack_p_groups<G>(pt, ldpt, keys, rows_p, p, ps);
+  }
 };
 
 constexpr Int8Functions kAvx2Int8 = int8_functions<Avx2Int8, &avx2_kernels>();
 constexpr Int8Functions kAvxVnni = int8_functions<AvxVnni, &avx2_kernels>();
+constexpr Int8Functions kAvx2Int8Pv8 = int8pv_functions<Avx2Int8, &avx2_kernels>();
+constexpr Int8Functions kAvxVnniPv8 = int8pv_functions<AvxVnni, &avx2_kernels>();
 
 }  // namespace int8_avx2_impl
 }  // namespace dattn::flash
@@ -82,6 +129,16 @@ const TileKernels& avx_vnni_kernels() {
       int8_tile_kernels("avx_vnni", avx2_kernels(), int8_avx2_impl::kAvxVnni);
   return k;
 }
+const TileKernels& avx2_int8_pv8_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx2_int8", avx2_kernels(), int8_avx2_impl::kAvx2Int8Pv8);
+  return k;
+}
+const TileKernels& avx_vnni_pv8_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx_vnni", avx2_kernels(), int8_avx2_impl::kAvxVnniPv8);
+  return k;
+}
 }  // namespace dattn::flash
 #else
 namespace dattn::flash {
@@ -90,6 +147,12 @@ const TileKernels& avx2_int8_kernels() {
 }
 const TileKernels& avx_vnni_kernels() {
   return avx_vnni_emulated_kernels();
+}
+const TileKernels& avx2_int8_pv8_kernels() {
+  return avx2_int8_emulated_pv8_kernels();
+}
+const TileKernels& avx_vnni_pv8_kernels() {
+  return avx_vnni_emulated_pv8_kernels();
 }
 }  // namespace dattn::flash
 #endif

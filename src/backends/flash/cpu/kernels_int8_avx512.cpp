@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "backends/flash/kernels.hpp"
 #include "dattn/cpu_info.hpp"
@@ -39,8 +40,47 @@ struct Avx512Vnni {
   using ireg = __m512i;
   static ireg zero() { return _mm512_setzero_si512(); }
   static ireg load(const std::uint32_t* p) { return _mm512_loadu_si512(p); }
+  // vpdpbusd in inline assembly: GCC 12's register allocation of the intrinsic's accumulators
+  // (__m512i against the builtin's int32 vectors) copied each accumulator once or twice per
+  // instruction in these micro-kernels (66 vector moves per 16 vpdpbusd), none here.
+  static ireg dpbusd(ireg acc, ireg u, ireg s) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+  }
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
-    return _mm512_dpbusd_epi32(acc, q, _mm512_set1_epi32(std::int32_t(k)));
+    return dpbusd(acc, q, _mm512_set1_epi32(std::int32_t(k)));
+  }
+  // P.V: unsigned P codes broadcast against signed V codes.
+  static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) {
+    return dpbusd(acc, _mm512_set1_epi32(std::int32_t(p)), v);
+  }
+  // int8_impl.hpp's int8pv_pack_p, 16 rows per vector (max_ps(x, m) keeps m where x is NaN).
+  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
+                     float* ps) {
+    const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f),
+                 half = _mm512_set1_ps(0.5f);
+    for (int r0 = 0; r0 < rows_p; r0 += W) {
+      __m512 mx = zero;
+      for (int j = 0; j < keys; ++j) mx = _mm512_max_ps(_mm512_loadu_ps(pt + j * ldpt + r0), mx);
+      const __mmask16 some = _mm512_cmp_ps_mask(mx, zero, _CMP_GT_OQ);
+      const __m512 inv = _mm512_maskz_div_ps(some, top, mx);
+      _mm512_storeu_ps(ps + r0, _mm512_maskz_div_ps(some, mx, top));
+      for (int g = 0; g < kTileKeys / G; ++g) {
+        __m512i codes = _mm512_setzero_si512();
+        for (int t = 0; t < G && g * G + t < keys; ++t) {
+          const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(pt + (g * G + t) * ldpt + r0), inv);
+          const __m512 x = _mm512_min_ps(_mm512_max_ps(y, zero), top);  // NaN y: 0
+          codes = _mm512_or_si512(
+              codes, _mm512_slli_epi32(_mm512_cvttps_epi32(_mm512_add_ps(x, half)), 8 * t));
+        }
+        _mm512_storeu_si512(p + std::int64_t(g) * rows_p + r0, codes);
+      }
+    }
+  }
+  static void accumulate(float* o, ireg acc, float alpha, float ps, const float* vs) {
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(ps), _mm512_loadu_ps(vs));
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), t,
+                                        _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha))));
   }
   static void logits(float* st, ireg acc, std::int32_t corr, const float* qs, float ks, float kb) {
     __m512 x = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(corr)));
@@ -52,6 +92,7 @@ struct Avx512Vnni {
 
 constexpr Int8Functions kBf16Pv = int8_functions<Avx512Vnni, &avx512_bf16_kernels>();
 constexpr Int8Functions kF32Pv = int8_functions<Avx512Vnni, &avx512_kernels>();
+constexpr Int8Functions kPv8 = int8pv_functions<Avx512Vnni, &avx512_kernels>();
 
 }  // namespace int8_avx512_impl
 }  // namespace dattn::flash
@@ -63,6 +104,11 @@ constexpr Int8Functions kF32Pv = int8_functions<Avx512Vnni, &avx512_kernels>();
 #endif
 
 namespace dattn::flash {
+const TileKernels& avx512_vnni_pv8_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx512_vnni", avx512_kernels(), int8_avx512_impl::kPv8);
+  return k;
+}
 const TileKernels& avx512_vnni_f32_pv_kernels() {
   static const TileKernels k =
       int8_tile_kernels("avx512_vnni", avx512_kernels(), int8_avx512_impl::kF32Pv);
@@ -79,6 +125,9 @@ const TileKernels& avx512_vnni_kernels() {
 namespace dattn::flash {
 const TileKernels& avx512_vnni_f32_pv_kernels() {
   return avx512_vnni_emulated_f32_pv_kernels();
+}
+const TileKernels& avx512_vnni_pv8_kernels() {
+  return avx512_vnni_emulated_pv8_kernels();
 }
 const TileKernels& avx512_vnni_kernels() {
   return avx512_vnni_emulated_kernels();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <vector>
 
 #include "backends/flash/kernels.hpp"
 
@@ -30,6 +31,7 @@ TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
   TileKernels k = base;
   k.engine = engine;
   k.row_align = std::lcm(base.row_align, f.align);
+  if (f.col_align > 0) k.col_align = std::lcm(base.col_align, f.col_align);
   k.steps.qk = f.qk;
   k.steps.pv = f.pv;
   k.formats.workspace_bytes = f.workspace_bytes;
@@ -51,7 +53,28 @@ template <class I, const TileKernels& (*Base)()>
 TileKernels make(std::string_view name) {
   return int8_tile_kernels(name, Base(), int8_functions<I, Base>());
 }
+template <class I>
+TileKernels make_pv8(std::string_view name) {
+  return int8_tile_kernels(name, portable_kernels(), int8pv_functions<I, &portable_kernels>());
+}
 }  // namespace
+
+const TileKernels& portable_int8_pv8_kernels() {
+  static const TileKernels k = make_pv8<Avx2Int8>("portable_int8");
+  return k;
+}
+const TileKernels& avx2_int8_emulated_pv8_kernels() {
+  static const TileKernels k = make_pv8<Avx2Int8>("avx2_int8_emulated");
+  return k;
+}
+const TileKernels& avx_vnni_emulated_pv8_kernels() {
+  static const TileKernels k = make_pv8<AvxVnni>("avx_vnni_emulated");
+  return k;
+}
+const TileKernels& avx512_vnni_emulated_pv8_kernels() {
+  static const TileKernels k = make_pv8<Avx512Vnni>("avx512_vnni_emulated");
+  return k;
+}
 
 const TileKernels& portable_int8_kernels() {
   static const TileKernels k = make<Avx2Int8, &portable_kernels>("portable_int8");
