@@ -19,7 +19,8 @@ GFLOP/s counts 4 * S * S * D * H.
 --backend (repeatable, default FLASH) names the dattn backends timed in the same rounds, e.g.
 `--backend FLASH --backend SAGE` for 8-bit attention beside FLASH; one row per backend, each
 against the same PyTorch timings (dattn/torch) and, from the second on, against the first
-(vs first).
+(vs first). A backend may carry string options after a colon, `NAME:key=value,key=value`, e.g.
+`--backend SAGE:pv_dtype=int8` (SAGE with P.V in 8 bits).
 
 Usage: .venv/bin/python bench/torch_sdpa.py [--threads 2] [--heads 2] [--rounds 3]
            [--workload flux-1024 ...] [--dtype f32 --dtype bf16] [--backend FLASH ...] [--json]
@@ -52,6 +53,18 @@ def parse_args(argv=None):
                     help="dattn backend (repeatable; default FLASH), e.g. SAGE")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     return ap.parse_args(argv)
+
+
+def backend_spec(spec: str):
+    """'NAME' or 'NAME:key=value,...' -> (NAME, {key: value})."""
+    name, _, options = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--backend {spec}: options are key=value, got {item!r}")
+        kwargs[key] = value
+    return name, kwargs
 
 
 def main(argv=None):
@@ -91,8 +104,11 @@ def main(argv=None):
             g = torch.Generator().manual_seed(1)
             base = [torch.randn(1, H, S, D, generator=g) for _ in range(3)]
             backends = args.backend or ["FLASH"]
-            layers = {b: dattn.Attention(H, D, qkv_layout="BHSD", prefix=f"bench.{name}",
-                                         backend=b) for b in backends}
+            layers = {}
+            for b in backends:
+                backend, kwargs = backend_spec(b)
+                layers[b] = dattn.Attention(H, D, qkv_layout="BHSD", prefix=f"bench.{name}",
+                                            backend=backend, backend_kwargs=kwargs)
             for dt in args.dtype or ["f32", "bf16"]:
                 q, k, v = (t.to(dtypes[dt]) for t in base)
                 outs = {b: torch.empty_like(q) for b in backends}

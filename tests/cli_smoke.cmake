@@ -183,6 +183,20 @@ if(NOT PV8_OUT MATCHES "\"peak_kind\": *\"int8_dot\"")
   message(FATAL_ERROR "dattn run --backend sage --pv-dtype int8: not on an int8 engine:\n"
                       "${PV8_OUT}")
 endif()
+# bench rows with their own backend options: NAME:key=value,... (SAGE with and without 8-bit
+# P.V in one run); a spec without key=value names --backend.
+run_dattn(SPECS bench --workload small --heads 1 --reps 1 --check-rows 0 -b sage
+          -b sage:pv_dtype=int8,smooth_k=false --json)
+expect_success(SPECS "dattn bench -b sage -b sage:pv_dtype=int8,smooth_k=false")
+if(NOT SPECS_OUT MATCHES "\"backend_options\": *\"pv_dtype=int8,smooth_k=false\"")
+  message(FATAL_ERROR "dattn bench -b sage:pv_dtype=int8: no backend_options in its row:\n"
+                      "${SPECS_OUT}")
+endif()
+run_dattn(BADSPEC bench --workload small --heads 1 --reps 1 -b sage:pv_dtype)
+if(BADSPEC_RC EQUAL 0 OR NOT "${BADSPEC_OUT}${BADSPEC_ERR}" MATCHES "key=value")
+  message(FATAL_ERROR "dattn bench -b sage:pv_dtype should fail naming key=value:\n"
+                      "${BADSPEC_OUT}${BADSPEC_ERR}")
+endif()
 run_dattn(BADBACKEND bench --workload small --heads 1 --backend reference --isa portable)
 if(NOT BADBACKEND_RC EQUAL 1 OR NOT BADBACKEND_ERR MATCHES "--isa.*REFERENCE|--isa.*reference")
   message(FATAL_ERROR "dattn bench --backend reference --isa portable should fail naming --isa:"

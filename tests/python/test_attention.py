@@ -304,6 +304,22 @@ def test_forward_paged_over_a_page_pool():
         layer.forward_paged(dattn.PagedCall(q2, k2, v2, [dattn.PagedRow(6, 40, 34, table)], pool))
 
 
+def test_sage_pv_dtype_int8_from_python():
+    """SAGE's pv_dtype int8 (P.V in 8 bits) through backend_kwargs: an int8 engine runs it,
+    within its documented accuracy (cosine >= 0.9995); a bad pv_dtype names the option."""
+    q, k, v = rand(1, 150, 4, 64, seed=11), rand(1, 150, 2, 64, seed=12), rand(1, 150, 2, 64, seed=13)
+    want, _ = oracle(q, k, v)
+    layer = dattn.Attention(4, 64, num_kv_heads=2, backend="SAGE",
+                            backend_kwargs={"pv_dtype": "int8"})
+    got = layer.forward(q, k, v).double()
+    int8 = {e["name"] for e in dattn.flash_engines() if e["compute_dtype"] == "int8"}
+    assert layer.last_engine in int8
+    cos = torch.nn.functional.cosine_similarity(got.flatten(2), want.double().flatten(2), dim=-1)
+    assert float(cos.min()) >= 0.9995
+    with pytest.raises(dattn.InvalidArgument, match="pv_dtype"):
+        dattn.Attention(4, 64, num_kv_heads=2, backend="SAGE", backend_kwargs={"pv_dtype": "int4"})
+
+
 def test_flash_engines_isa_compute_dtype_and_last_engine():
     engines = dattn.flash_engines()
     names = [e["name"] for e in engines]

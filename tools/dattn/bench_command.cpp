@@ -1,13 +1,17 @@
 // `dattn bench`: every combination of workloads, backends and dtypes, best of N timed calls
 // after a warm-up; a table, JSON lines (the keys of `dattn run --json`) or an SVG bar chart.
 #include <algorithm>
+#include <cstdint>
+#include <exception>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <string>
 
 #include "bar_chart.hpp"
 #include "commands.hpp"
+#include "dattn/errors.hpp"
 #include "measurement.hpp"
 
 namespace dattn::cli {
@@ -17,6 +21,11 @@ namespace {
 // Bars of GFLOP/s grouped by workload, one colour per (backend, dtype, engine), each labelled
 // with its percent of the peak of the engine that computed it (drawn as a dashed tick), or
 // "n/a" where that engine has no peak (emulated engines, REFERENCE).
+// The row's backend as the table and chart name it: NAME, or NAME:options.
+std::string backend_label(const RunReport& r) {
+  return r.backend_options.empty() ? r.backend : r.backend + ":" + r.backend_options;
+}
+
 std::string svg_chart(const std::vector<RunReport>& reports) {
   std::vector<ChartBar> bars;
   int threads = 0;
@@ -26,7 +35,7 @@ std::string svg_chart(const std::vector<RunReport>& reports) {
       pct << std::fixed << std::setprecision(0) << 100 * *r.efficiency << "%";
     else
       pct << "n/a";
-    tip << r.backend << " " << r.dtype << " on " << r.workload << " ("
+    tip << backend_label(r) << " " << r.dtype << " on " << r.workload << " ("
         << (r.engine.empty() ? "no engine" : "engine " + r.engine) << "): " << std::fixed
         << std::setprecision(1) << r.gflops << " GFLOP/s, ";
     if (r.peak_gflops && r.efficiency)
@@ -35,7 +44,7 @@ std::string svg_chart(const std::vector<RunReport>& reports) {
       tip << "no peak (" << r.no_peak << ")";
     tip << ", " << std::setprecision(4) << r.seconds << " s";
     const std::string series =
-        r.backend + " " + r.dtype + (r.engine.empty() ? "" : " (" + r.engine + ")");
+        backend_label(r) + " " + r.dtype + (r.engine.empty() ? "" : " (" + r.engine + ")");
     bars.push_back({r.workload, series, r.gflops, r.peak_gflops.value_or(0), pct.str(), tip.str()});
     threads = std::max(threads, r.threads);
   }
@@ -51,17 +60,19 @@ std::string svg_chart(const std::vector<RunReport>& reports) {
 void print_table(std::ostream& os, const std::vector<RunReport>& reports) {
   const bool sparse = std::any_of(reports.begin(), reports.end(),
                                   [](const RunReport& r) { return r.block_sparsity.has_value(); });
-  os << std::left << std::setw(18) << "workload" << std::setw(14) << "backend" << std::setw(6)
+  int width = 14;
+  for (const RunReport& r : reports) width = std::max(width, int(backend_label(r).size()) + 2);
+  os << std::left << std::setw(18) << "workload" << std::setw(width) << "backend" << std::setw(6)
      << "dtype" << std::setw(22) << "engine" << std::right << std::setw(8) << "threads"
      << std::setw(11) << "seconds" << std::setw(10) << "GFLOP/s" << std::setw(8) << "peak%"
      << std::setw(13) << "max_rel_err";
   if (sparse) os << std::setw(10) << "sparsity" << std::setw(11) << "vs_dense";
   os << '\n';
   for (const RunReport& r : reports) {
-    os << std::left << std::setw(18) << r.workload << std::setw(14) << r.backend << std::setw(6)
-       << r.dtype << std::setw(22) << (r.engine.empty() ? "-" : r.engine) << std::right
-       << std::setw(8) << r.threads << std::setw(11) << std::setprecision(4) << std::fixed
-       << r.seconds << std::setw(10) << std::setprecision(1) << r.gflops;
+    os << std::left << std::setw(18) << r.workload << std::setw(width) << backend_label(r)
+       << std::setw(6) << r.dtype << std::setw(22) << (r.engine.empty() ? "-" : r.engine)
+       << std::right << std::setw(8) << r.threads << std::setw(11) << std::setprecision(4)
+       << std::fixed << r.seconds << std::setw(10) << std::setprecision(1) << r.gflops;
     if (r.efficiency)
       os << std::setw(7) << 100 * *r.efficiency << '%';
     else
@@ -88,7 +99,10 @@ void print_table(std::ostream& os, const std::vector<RunReport>& reports) {
 
 void add_bench_options(CLI::App& command, BenchOptions& options) {
   command.add_option("--workload,-w", options.workloads, "Workloads (repeatable; default small)");
-  command.add_option("--backend,-b", options.backends, "Backends (repeatable; default auto)");
+  command.add_option("--backend,-b", options.backends,
+                     "Backends (repeatable; default auto), each NAME or NAME:key=value,... with "
+                     "backend options for that row only (e.g. sage:pv_dtype=int8; an integer "
+                     "value is an integer, true/false a bool, else a string)");
   command.add_option("--dtype", options.dtypes, "Dtypes (repeatable; default f32)")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   add_measure_options(command, options.measure);
@@ -97,6 +111,45 @@ void add_bench_options(CLI::App& command, BenchOptions& options) {
       ->capture_default_str();
   command.add_flag("--json", options.json, "One JSON object per line (the keys of run --json)");
   command.add_option("--svg", options.svg, "Also write a bar chart of GFLOP/s to this file");
+}
+
+// A --backend value: NAME, or NAME:key=value,key=value with options for that backend only.
+struct BackendSpec {
+  std::string name, options;  // options as given ("" when none)
+  BackendOptions parsed;
+};
+BackendSpec parse_backend_spec(const std::string& spec) {
+  BackendSpec out;
+  const std::size_t colon = spec.find(':');
+  out.name = spec.substr(0, colon);
+  if (colon == std::string::npos) return out;
+  out.options = spec.substr(colon + 1);
+  std::size_t at = colon + 1;
+  while (at <= spec.size()) {
+    const std::size_t end = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, end - at);
+    const std::size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw InvalidArgument("backend", "--backend " + spec + ": '" + item +
+                                           "' is not key=value; valid: NAME or "
+                                           "NAME:key=value,key=value");
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    std::size_t used = 0;
+    long long number = 0;
+    try {
+      number = std::stoll(value, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (!value.empty() && used == value.size())
+      out.parsed[key] = std::int64_t(number);
+    else if (value == "true" || value == "false")
+      out.parsed[key] = value == "true";
+    else
+      out.parsed[key] = value;
+    at = end + 1;
+  }
+  return out;
 }
 
 int run_bench(const BenchOptions& options) {
@@ -113,18 +166,24 @@ int run_bench(const BenchOptions& options) {
     chosen.push_back(*w);
   }
   // Before any measurement: --isa / --compute-dtype with a backend that has no engines.
-  for (const std::string& backend : backends)
-    check_engine_options(measurement_for(chosen.front(), options.measure), backend);
+  std::vector<BackendSpec> specs;
+  for (const std::string& backend : backends) specs.push_back(parse_backend_spec(backend));
+  for (const BackendSpec& spec : specs)
+    check_engine_options(measurement_for(chosen.front(), options.measure), spec.name);
   std::vector<RunReport> reports;
   for (const Workload& w : chosen)
     for (const std::string& dtype : dtypes)
-      for (const std::string& backend : backends) {
+      for (const BackendSpec& spec : specs) {
         Measurement m = measurement_for(w, options.measure);
-        m.backend = backend;
+        m.backend = spec.name;
+        for (const auto& [key, value] : spec.parsed) m.backend_options[key] = value;
+        const std::string backend =
+            spec.options.empty() ? spec.name : spec.name + ":" + spec.options;
         m.dtype = parse_dtype(dtype).value_or(DType::F32);
         m.reps = options.reps;
         m.progress_prefix = "dattn bench: " + w.name + " " + dtype + " " + backend + ": ";
         reports.push_back(measure(m));
+        reports.back().backend_options = spec.options;
         if (options.json) std::cout << to_json(reports.back()).dump() << std::endl;
       }
   if (!options.json) print_table(std::cout, reports);

@@ -17,6 +17,7 @@ nlohmann::json finite_or_null(double x) {
 nlohmann::json to_json(const RunReport& r) {
   nlohmann::json j;
   j["backend"] = r.backend;
+  if (!r.backend_options.empty()) j["backend_options"] = r.backend_options;
   j["selection"] = r.selection;
   j["workload"] = r.workload;
   j["layout"] = r.layout;

@@ -22,7 +22,10 @@ struct RowCheck {
 };
 
 struct RunReport {
-  std::string backend;    // the backend that ran
+  std::string backend;  // the backend that ran
+  // bench's backend options of this row (`--backend NAME:key=value,...`), "" when none; the
+  // table and chart label the row NAME:options.
+  std::string backend_options;
   std::string selection;  // how it was chosen: "explicit", "env ..." or "auto"
   std::string workload;
   std::string layout;  // "BSHD" or "THD"

@@ -121,7 +121,8 @@ class FlashPlan final : public Plan {
          << " key ranges";
     if (chosen.compute == ComputeDtype::int8)
       os << ", Q and K as int8 per row and key" << (smooth_k ? ", K smoothed" : "")
-         << (balance_qk ? ", channels balanced" : "") << ", P.V on "
+         << (balance_qk ? ", channels balanced" : "")
+         << (pv_int8 ? ", P.V in 8 bits on " : ", P.V on ")
          << (!kernels.loop.tile_by_tile() ? std::string("bf16 tiles")
                                           : std::string(kernels.engine));
     return os.str();
@@ -140,6 +141,7 @@ class FlashPlan final : public Plan {
   // ignores it; the LSE gets it back), docs/semantics.md "SAGE".
   bool smooth_k = false;
   bool balance_qk = false;  // and each channel balanced between Q and K (SmoothQuant)
+  bool pv_int8 = false;     // SAGE's pv_dtype int8
   RowBlock block{1, 1};
   i64 dv_padded = 0;
   int threads = 1;
@@ -567,6 +569,7 @@ class FlashImpl final : public Impl {
         compute_ == ComputeDtype::int8 ? int8_engine_kernels(engine, pv_) : engine.kernels());
     plan->smooth_k = compute_ == ComputeDtype::int8 && smooth_k_;
     plan->balance_qk = plan->smooth_k && balance_qk_;
+    plan->pv_int8 = compute_ == ComputeDtype::int8 && pv_ == PvDtype::int8;
     const i64 group = p.group_size();
     plan->block = row_block(group, item_rows(plan->kernels, cpu_features().l2_bytes));
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);
