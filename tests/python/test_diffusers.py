@@ -573,9 +573,9 @@ def test_private_diffusers_attributes_are_where_dattn_expects_them():
 
 @pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
 def test_sage_end_to_end_within_twice_bf16_flashs_error(name):
-    """A random-weight model in bf16 on dattn's SAGE: its error against the f32 model's output
-    (dattn FLASH, exact) within twice that of the same bf16 model on FLASH, the error bf16
-    inference already has. Also printed: the attention-only comparison (the f32 model on SAGE
+    """A random-weight model in bf16 on dattn's SAGE (and with pv_dtype int8): its error against
+    the f32 model's output (dattn FLASH, exact) within twice that of the same bf16 model on
+    FLASH, the error bf16 inference already has. Also printed: the attention-only comparison (the f32 model on SAGE
     against FLASH computing attention in bf16, compute_dtype bf16)."""
     model, inputs = MODELS[name]()
     with dd.enable(model) as exact:
@@ -593,11 +593,16 @@ def test_sage_end_to_end_within_twice_bf16_flashs_error(name):
         flash_bf16 = run(model, inputs)
     with dd.enable(model, backend="SAGE") as sage16:
         sage_bf16 = run(model, inputs)
-    for h in (sage32, sage16, flash16):
+    with dd.enable(model, backend="SAGE", backend_kwargs={"pv_dtype": "int8"}) as pv8:
+        sage_pv8 = run(model, inputs)  # P.V in 8 bits too
+    for h in (sage32, sage16, flash16, pv8):
         assert h.calls == exact.calls and not h.fallbacks, h
     assert any("int8" in e or "vnni" in e for e in sage16.engines), sage16.engines
-    err_flash, err_sage = rel(flash_bf16, want), rel(sage_bf16, want)
+    err_flash, err_sage, err_pv8 = (rel(flash_bf16, want), rel(sage_bf16, want),
+                                    rel(sage_pv8, want))
     print(f"{name}: bf16 model: SAGE {err_sage:.2e}, FLASH {err_flash:.2e} "
-          f"({err_sage / err_flash:.2f}x); f32 model: SAGE {rel(sage_f32, want):.2e}, "
+          f"({err_sage / err_flash:.2f}x), SAGE pv int8 {err_pv8:.2e} "
+          f"({err_pv8 / err_flash:.2f}x); f32 model: SAGE {rel(sage_f32, want):.2e}, "
           f"FLASH with bf16 attention {rel(flash_bf16_attention, want):.2e}")
     assert err_sage <= 2 * err_flash, (err_sage, err_flash)
+    assert err_pv8 <= 2 * err_flash, (err_pv8, err_flash)
