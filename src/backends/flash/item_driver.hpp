@@ -100,53 +100,88 @@ struct Smoothing {
   // The smoothing stored at `at` (kFloatsPerChannel * d floats).
   static Smoothing at(const float* at, std::int64_t d) { return {at, at + d, at + 2 * d, d}; }
 
-  // Computes the smoothing into `out` from `keys` key rows (load_key(j, dst) writes key j's d
-  // elements as f32) and `queries` query rows (load_query(i, dst) likewise); `row` is scratch
-  // of d floats.
+  // The f64 sums a smoothing is computed from: per channel the sum and the sum of squares of
+  // the keys and of the queries, their counts, and whether every element was finite. Sums of
+  // parts of the rows (Sums::add) give the same smoothing as one pass, up to f64 rounding.
+  struct Sums {
+    std::vector<double> k_sum, k_squares, q_sum, q_squares;
+    std::int64_t keys = 0, queries = 0;
+    bool k_finite = true, q_finite = true;
+
+    void reset(std::int64_t d) {
+      for (auto* v : {&k_sum, &k_squares, &q_sum, &q_squares}) v->assign(std::size_t(d), 0.0);
+      keys = queries = 0;
+      k_finite = q_finite = true;
+    }
+    // One row (d elements) into the key or the query sums.
+    void row(const float* x, std::int64_t d, bool key) {
+      std::vector<double>& sum = key ? k_sum : q_sum;
+      std::vector<double>& squares = key ? k_squares : q_squares;
+      bool finite = true;
+      for (std::int64_t e = 0; e < d; ++e) {
+        finite = finite && std::isfinite(x[e]);
+        sum[std::size_t(e)] += x[e];
+        squares[std::size_t(e)] += double(x[e]) * x[e];
+      }
+      (key ? k_finite : q_finite) &= finite;
+      ++(key ? keys : queries);
+    }
+    void add(const Sums& o) {
+      for (std::size_t e = 0; e < k_sum.size(); ++e) {
+        k_sum[e] += o.k_sum[e];
+        k_squares[e] += o.k_squares[e];
+        q_sum[e] += o.q_sum[e];
+        q_squares[e] += o.q_squares[e];
+      }
+      keys += o.keys;
+      queries += o.queries;
+      k_finite = k_finite && o.k_finite;
+      q_finite = q_finite && o.q_finite;
+    }
+  };
+
+  // The smoothing of `sums` into `out` (kFloatsPerChannel * d floats).
+  static void finish(const Sums& sums, float* out, std::int64_t d, bool balance_qk) {
+    float* mean = out;
+    float* balance = out + d;
+    float* q_mean = out + 2 * d;
+    const bool finite = sums.k_finite;
+    const double n = double(std::max<std::int64_t>(sums.keys, 1));
+    for (std::int64_t e = 0; e < d; ++e)
+      mean[e] = finite ? float(sums.k_sum[std::size_t(e)] / n) : 0.0f;
+    std::fill(balance, balance + d, 1.0f);
+    std::fill(q_mean, q_mean + d, 0.0f);
+    if (!finite || !sums.q_finite || sums.queries == 0) return;
+    for (std::int64_t e = 0; e < d; ++e) {
+      const std::size_t c = std::size_t(e);
+      const double m = sums.k_sum[c] / n, qm = sums.q_sum[c] / double(sums.queries);
+      q_mean[e] = float(qm);
+      if (!balance_qk) continue;
+      const double k_var = std::max(sums.k_squares[c] / n - m * m, 0.0);
+      const double q_var = std::max(sums.q_squares[c] / double(sums.queries) - qm * qm, 0.0);
+      const double b = std::sqrt(std::sqrt(q_var) / std::sqrt(k_var));
+      if (std::isfinite(b) && b > 0x1p-20 && b < 0x1p20) balance[e] = float(b);
+    }
+  }
+
+  // Computes the smoothing into `out` in one pass from `keys` key rows (load_key(j, dst) writes
+  // key j's d elements as f32) and `queries` query rows (load_query(i, dst) likewise); `row` is
+  // scratch of d floats.
   template <class LoadKey, class LoadQuery>
   static void compute(float* out, std::int64_t d, bool balance_qk, std::int64_t keys,
                       LoadKey&& load_key, std::int64_t queries, LoadQuery&& load_query,
                       float* row) {
-    float* mean = out;
-    float* balance = out + d;
-    float* q_mean = out + 2 * d;
-    thread_local std::vector<double> sum, squares, q_sum, q_squares;
-    sum.assign(std::size_t(d), 0.0);
-    squares.assign(std::size_t(d), 0.0);
-    q_sum.assign(std::size_t(d), 0.0);
-    q_squares.assign(std::size_t(d), 0.0);
-    bool finite = true;
-    for (std::int64_t j = 0; j < keys && finite; ++j) {
+    thread_local Sums sums;
+    sums.reset(d);
+    for (std::int64_t j = 0; j < keys && sums.k_finite; ++j) {
       load_key(j, row);
-      for (std::int64_t e = 0; e < d; ++e) {
-        finite = finite && std::isfinite(row[e]);
-        sum[std::size_t(e)] += row[e];
-        squares[std::size_t(e)] += double(row[e]) * row[e];
-      }
+      sums.row(row, d, true);
     }
-    const double n = double(std::max<std::int64_t>(keys, 1));
-    for (std::int64_t e = 0; e < d; ++e) mean[e] = finite ? float(sum[std::size_t(e)] / n) : 0.0f;
-    std::fill(balance, balance + d, 1.0f);
-    std::fill(q_mean, q_mean + d, 0.0f);
-    if (!finite || queries == 0) return;
-    for (std::int64_t i = 0; i < queries && finite; ++i) {
+    for (std::int64_t i = 0; i < queries && sums.k_finite && sums.q_finite; ++i) {
       load_query(i, row);
-      for (std::int64_t e = 0; e < d; ++e) {
-        finite = finite && std::isfinite(row[e]);
-        q_sum[std::size_t(e)] += row[e];
-        q_squares[std::size_t(e)] += double(row[e]) * row[e];
-      }
+      sums.row(row, d, false);
     }
-    if (!finite) return;
-    for (std::int64_t e = 0; e < d; ++e) {
-      const double m = sum[std::size_t(e)] / n, qm = q_sum[std::size_t(e)] / double(queries);
-      q_mean[e] = float(qm);
-      if (!balance_qk) continue;
-      const double k_var = std::max(squares[std::size_t(e)] / n - m * m, 0.0);
-      const double q_var = std::max(q_squares[std::size_t(e)] / double(queries) - qm * qm, 0.0);
-      const double b = std::sqrt(std::sqrt(q_var) / std::sqrt(k_var));
-      if (std::isfinite(b) && b > 0x1p-20 && b < 0x1p20) balance[e] = float(b);
-    }
+    finish(sums, out, d, balance_qk);
   }
 
   // n keys k [n][ld] become (k - mean) * balance; bias[j] = qscale * q_mean . (k_j - mean), each

@@ -153,7 +153,10 @@ struct Call {
   std::vector<i64> rows;        // valid query positions, grouped by block
   std::vector<i64> block_row0;  // first entry of each query block in `rows`
   float qscale = 1;
-  // SAGE's smoothing of the KV head being run (plan.smooth_k), computed by smooth().
+  // SAGE's smoothing of the KV head being run (plan.smooth_k): the batch item's visible key
+  // rows, the parts' sums, the smoothing (smooth_finish).
+  std::vector<i64> visible_keys;
+  std::vector<Smoothing::Sums> smooth_parts;
   std::vector<float> smoothing;
   std::optional<Smoothing> smoothed;
 
@@ -185,31 +188,42 @@ struct Call {
                            tiles + std::size_t(tile) * tile_bytes);
     }
   }
-  // SAGE's smoothing (item_driver.hpp, Smoothing) of KV head hk of batch item b: over its
-  // visible keys and the valid query rows of its query heads; `row` is scratch of d floats.
-  void smooth(i64 b, i64 hk, float* row) {
-    thread_local std::vector<i64> keys;
-    keys.clear();
+  // SAGE's smoothing (item_driver.hpp, Smoothing) of KV head hk of batch item b, over its
+  // visible keys and the valid query rows of its query heads, in parts that threads sum at once
+  // (smooth_part), then added up (smooth_finish). smooth_keys() lists the batch item's visible
+  // key rows first.
+  void smooth_keys() {
+    visible_keys.clear();
     for (i64 pos = 0; pos < i64(key_ok.size()); ++pos)
-      if (key_ok[std::size_t(pos)]) keys.push_back(tiling.keys.order()[std::size_t(pos)]);
-    const i64 group = p.group_size(), nq = i64(rows.size());
-    const auto load_key = [&](i64 j, float* dst) {
-      const RowRef kr = p.k_row(keys[std::size_t(j)]);
+      if (key_ok[std::size_t(pos)]) visible_keys.push_back(tiling.keys.order()[std::size_t(pos)]);
+  }
+  void smooth_part(i64 b, i64 hk, std::size_t part, float* row) {
+    const i64 parts = i64(smooth_parts.size()), group = p.group_size(), nq = i64(rows.size());
+    const i64 keys = i64(visible_keys.size()), queries = group * nq;
+    Smoothing::Sums& sums = smooth_parts[part];
+    sums.reset(p.d);
+    const i64 n = i64(part);
+    for (i64 j = keys * n / parts; j < keys * (n + 1) / parts; ++j) {
+      const RowRef kr = p.k_row(visible_keys[std::size_t(j)]);
       const TensorView& kt = *kr.view;
       load_elements(kk(), kt, b * kt.stride(0) + kr.row * kt.stride(1) + hk * kt.stride(2), p.d,
-                    1.0f, dst);
-    };
-    const auto load_query = [&](i64 n, float* dst) {  // head by head
-      const i64 h = hk * group + n / std::max<i64>(nq, 1);
-      const RowRef qr =
-          p.q_row(tiling.queries.order()[std::size_t(rows[std::size_t(n % std::max<i64>(nq, 1))])]);
+                    1.0f, row);
+      sums.row(row, p.d, true);
+    }
+    for (i64 i = queries * n / parts; i < queries * (n + 1) / parts; ++i) {  // head by head
+      const i64 h = hk * group + i / nq;
+      const RowRef qr = p.q_row(tiling.queries.order()[std::size_t(rows[std::size_t(i % nq)])]);
       const TensorView& q = *qr.view;
       load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), p.d, 1.0f,
-                    dst);
-    };
+                    row);
+      sums.row(row, p.d, false);
+    }
+  }
+  void smooth_finish() {
+    Smoothing::Sums& total = smooth_parts[0];
+    for (std::size_t n = 1; n < smooth_parts.size(); ++n) total.add(smooth_parts[n]);
     smoothing.resize(Smoothing::kFloatsPerChannel * std::size_t(p.d));
-    Smoothing::compute(smoothing.data(), p.d, plan.balance_qk, i64(keys.size()), load_key,
-                       group * nq, load_query, row);
+    Smoothing::finish(total, smoothing.data(), p.d, plan.balance_qk);
     smoothed = Smoothing::at(smoothing.data(), p.d);
   }
 
@@ -573,10 +587,10 @@ class VideoSparseImpl final : public Impl {
         own_format ? lease->get((std::size_t(block_tile0.back()) * tile_bytes + sizeof(float) - 1) /
                                 sizeof(float))
                    : lease->get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
-    Call call{p,      plan,        t,       map,     pooled ? &*pooled : nullptr,
-              o.gate, nullptr,     nullptr, nullptr, 0,
-              {},     {},          {},      {},      1.0f,
-              {},     std::nullopt};
+    Call call{p,      plan,    t,       map,         pooled ? &*pooled : nullptr,
+              o.gate, nullptr, nullptr, nullptr,     0,
+              {},     {},      {},      {},          1.0f,
+              {},     {},      {},      std::nullopt};
     if (own_format) {
       call.tiles = reinterpret_cast<unsigned char*>(packed);
       call.tile_bytes = tile_bytes;
@@ -608,14 +622,22 @@ class VideoSparseImpl final : public Impl {
           if (q_ok[std::size_t(t.queries.order()[std::size_t(pos)])]) call.rows.push_back(pos);
       }
       call.block_row0[qblocks.size()] = static_cast<i64>(call.rows.size());
+      if (plan.smooth_k) {
+        call.smooth_keys();
+        call.smooth_parts.resize(std::size_t(2 * plan.threads));
+      }
       for (i64 hk = 0; hk < p.hkv; ++hk) {
         const std::vector<Item> items = items_for(call, b, hk);
         const auto count = static_cast<i64>(items.size());
         const auto nkb = static_cast<i64>(kblocks.size());
         // One fault-guarded region (item_driver.hpp): the smoothing, this head's K/V, its items.
         flash::run_parallel(plan.threads, plan.scratch_floats, 0, [&](DriverThread& thread) {
-          if (plan.smooth_k)
-            thread.loop(0, 1, 1, [&](i64) { call.smooth(b, hk, thread.scratch()); });
+          if (plan.smooth_k) {
+            thread.loop(0, i64(call.smooth_parts.size()), 1, [&](i64 part) {
+              call.smooth_part(b, hk, std::size_t(part), thread.scratch());
+            });
+            thread.loop(0, 1, 1, [&](i64) { call.smooth_finish(); });
+          }
           thread.loop(0, nkb, 4, [&](i64 kb) {
             if (own_format) {
               ScratchLayout layout(thread.scratch());
