@@ -242,7 +242,9 @@ TEST(Sage, Int8PvAccuracyAgainstReference) {
   // docs/semantics.md), rows of other tiles are not.
   for (i64 i = 0; i < s; ++i) {
     const bool nan = std::isnan(got.out.data_as<float>()[i * d + 3]);
-    if (i >= 40) EXPECT_TRUE(nan) << i;
+    if (i >= 40) {
+      EXPECT_TRUE(nan) << i;
+    }
   }
 }
 

@@ -230,12 +230,7 @@ inline void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState&
 struct Bf16Functions {
   decltype(TileSteps::qk) qk;
   decltype(TileSteps::pv) pv;
-  decltype(OperandFormats::workspace_bytes) workspace_bytes;
-  decltype(OperandFormats::pack_q) pack_q;
-  decltype(OperandFormats::k_tile_bytes) k_tile_bytes;
-  decltype(OperandFormats::v_tile_bytes) v_tile_bytes;
-  decltype(OperandFormats::pack_k) pack_k;
-  decltype(OperandFormats::pack_v) pack_v;
+  OperandFormats formats;
   int align;
   decltype(InnerLoop::thread_begin) thread_begin = nullptr;
   decltype(InnerLoop::thread_end) thread_end = nullptr;
@@ -253,12 +248,7 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
   k.row_align = k.col_align = f.align;
   k.steps.qk = f.qk;
   k.steps.pv = f.pv;
-  k.formats.workspace_bytes = f.workspace_bytes;
-  k.formats.pack_q = f.pack_q;
-  k.formats.k_tile_bytes = f.k_tile_bytes;
-  k.formats.v_tile_bytes = f.v_tile_bytes;
-  k.formats.pack_k = f.pack_k;
-  k.formats.pack_v = f.pack_v;
+  k.formats = f.formats;
   k.loop.thread_begin = f.thread_begin;
   k.loop.thread_end = f.thread_end;
   k.loop.attend = f.attend;
@@ -274,13 +264,7 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
 struct Int8Functions {
   decltype(TileSteps::qk) qk;
   decltype(TileSteps::pv) pv;
-  decltype(OperandFormats::workspace_bytes) workspace_bytes;
-  decltype(OperandFormats::pack_q) pack_q;
-  decltype(OperandFormats::k_tile_bytes) k_tile_bytes;
-  decltype(OperandFormats::v_tile_bytes) v_tile_bytes;
-  decltype(OperandFormats::pack_k) pack_k;
-  decltype(OperandFormats::pack_v) pack_v;
-  decltype(OperandFormats::set_key_bias) set_key_bias;
+  OperandFormats formats;
   int align;          // query rows per qk micro-tile
   int col_align = 0;  // output columns per pv micro-tile where it has its own (0: the base's)
 };

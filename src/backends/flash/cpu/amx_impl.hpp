@@ -298,7 +298,14 @@ void attend(const TileKernels& kk, const ItemKeys& keys, const ItemState& st) {
 template <class T, class D>
 constexpr Bf16Functions amx_functions(decltype(RowSoftmax::softmax_rows_pairs) softmax = nullptr) {
   // No qk / pv: the engine has its own inner loop (attend).
-  return {nullptr,       nullptr,       &workspace_bytes, &pack_q<D>, &k_tile_bytes,
-          &v_tile_bytes, &pack_k<D>,    &pack_v<D>,       32,         &T::begin,
-          &T::end,       &attend<T, D>, kPanelTiles,      kItemRows,  softmax};
+  return {nullptr,
+          nullptr,
+          {&workspace_bytes, &pack_q<D>, &k_tile_bytes, &v_tile_bytes, &pack_k<D>, &pack_v<D>},
+          32,
+          &T::begin,
+          &T::end,
+          &attend<T, D>,
+          kPanelTiles,
+          kItemRows,
+          softmax};
 }

@@ -164,12 +164,8 @@ constexpr Bf16Functions amx_int8_functions(
     decltype(RowSoftmax::softmax_rows_pairs) softmax = nullptr) {
   return {&int8_tile_qk<T, D>,
           nullptr,
-          &int8_tile_workspace_bytes,
-          &int8_tile_pack_q<D>,
-          &int8_tile_k_bytes,
-          &v_tile_bytes,
-          &int8_tile_pack_k,
-          &pack_v<D>,
+          {&int8_tile_workspace_bytes, &int8_tile_pack_q<D>, &int8_tile_k_bytes, &v_tile_bytes,
+           &int8_tile_pack_k, &pack_v<D>, &int8_set_key_bias},
           32,
           &T::begin,
           &T::end,
@@ -177,11 +173,4 @@ constexpr Bf16Functions amx_int8_functions(
           kPanelTiles,
           kItemRows,
           softmax};
-}
-
-inline TileKernels amx_int8_tile_kernels(std::string_view engine, const TileKernels& base,
-                                         const Bf16Functions& f) {
-  TileKernels k = bf16_tile_kernels(engine, base, f);
-  k.formats.set_key_bias = &int8_set_key_bias;
-  return k;
 }

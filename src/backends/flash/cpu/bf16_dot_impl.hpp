@@ -181,6 +181,8 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*l
 // file's target region; bf16_tile_kernels() assembles them outside it).
 template <class D>
 constexpr Bf16Functions bf16_dot_functions() {
-  return {&qk<D>,        &pv<D>,     &workspace_bytes, &pack_q<D>, &k_tile_bytes,
-          &v_tile_bytes, &pack_k<D>, &pack_v<D>,       2 * D::W};
+  return {&qk<D>,
+          &pv<D>,
+          {&workspace_bytes, &pack_q<D>, &k_tile_bytes, &v_tile_bytes, &pack_k<D>, &pack_v<D>},
+          2 * D::W};
 }

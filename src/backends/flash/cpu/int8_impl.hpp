@@ -449,13 +449,8 @@ template <class I, const TileKernels& (*Base)()>
 constexpr Int8Functions int8_functions() {
   return {&int8_qk<I>,
           &int8_pv<Base>,
-          &int8_workspace_bytes<I, Base>,
-          &int8_pack_q<I, Base>,
-          &int8_k_tile_bytes<I>,
-          &int8_v_tile_bytes<Base>,
-          &int8_pack_k<I>,
-          &int8_pack_v<Base>,
-          &int8_set_key_bias,
+          {&int8_workspace_bytes<I, Base>, &int8_pack_q<I, Base>, &int8_k_tile_bytes<I>,
+           &int8_v_tile_bytes<Base>, &int8_pack_k<I>, &int8_pack_v<Base>, &int8_set_key_bias},
           2 * I::W};
 }
 
@@ -465,12 +460,8 @@ template <class I, const TileKernels& (*Base)()>
 constexpr Int8Functions int8pv_functions() {
   return {&int8_qk<I>,
           &int8pv_pv<I>,
-          &int8pv_workspace_bytes<I, Base>,
-          &int8pv_pack_q<I, Base>,
-          &int8_k_tile_bytes<I>,
-          &int8pv_v_tile_bytes<I>,
-          &int8_pack_k<I>,
-          &int8pv_pack_v<I>,
-          &int8_set_key_bias,
+          {&int8pv_workspace_bytes<I, Base>, &int8pv_pack_q<I, Base>, &int8_k_tile_bytes<I>,
+           &int8pv_v_tile_bytes<I>, &int8_pack_k<I>, &int8pv_pack_v<I>, &int8_set_key_bias},
+          2 * I::W,
           2 * I::W};
 }

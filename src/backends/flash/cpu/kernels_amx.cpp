@@ -174,13 +174,13 @@ const TileKernels* amx_emulated_tiles_avx512_kernels() {
 }
 const TileKernels& amx_int8_kernels() {
   static const TileKernels k =
-      amx_impl::amx_int8_tile_kernels("amx_int8", avx512_kernels(), amx_impl::kInt8Functions);
+      bf16_tile_kernels("amx_int8", avx512_kernels(), amx_impl::kInt8Functions);
   return k;
 }
 const TileKernels* amx_int8_emulated_tiles_avx512_kernels() {
   if (amx_emulated_tiles_avx512_kernels() == nullptr) return nullptr;
-  static const TileKernels k = amx_impl::amx_int8_tile_kernels(
-      "amx_int8_emulated", avx512_kernels(), amx_impl::kInt8EmulatedTileFunctions);
+  static const TileKernels k = bf16_tile_kernels("amx_int8_emulated", avx512_kernels(),
+                                                 amx_impl::kInt8EmulatedTileFunctions);
   return &k;
 }
 }  // namespace dattn::flash

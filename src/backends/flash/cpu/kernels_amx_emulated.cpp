@@ -53,7 +53,7 @@ const TileKernels& amx_emulated_kernels() {
 const TileKernels& amx_int8_emulated_kernels() {
   static const TileKernels k = [] {
     if (const TileKernels* vector = amx_int8_emulated_tiles_avx512_kernels()) return *vector;
-    return amx_emulated_impl::amx_int8_tile_kernels(
+    return bf16_tile_kernels(
         "amx_int8_emulated", portable_kernels(),
         amx_emulated_impl::amx_int8_functions<amx_emulated_impl::EmulatedTiles,
                                               amx_emulated_impl::EmulatedBf16Ops>());

@@ -34,13 +34,7 @@ TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
   if (f.col_align > 0) k.col_align = std::lcm(base.col_align, f.col_align);
   k.steps.qk = f.qk;
   k.steps.pv = f.pv;
-  k.formats.workspace_bytes = f.workspace_bytes;
-  k.formats.pack_q = f.pack_q;
-  k.formats.k_tile_bytes = f.k_tile_bytes;
-  k.formats.v_tile_bytes = f.v_tile_bytes;
-  k.formats.pack_k = f.pack_k;
-  k.formats.pack_v = f.pack_v;
-  k.formats.set_key_bias = f.set_key_bias;
+  k.formats = f.formats;
   k.loop.attend = nullptr;  // tile by tile: qk here, the base's softmax_tile and pv
   k.loop.panel_tiles = 1;
   k.loop.thread_begin = k.loop.thread_end = nullptr;
