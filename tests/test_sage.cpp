@@ -467,6 +467,71 @@ TEST(Sage, BadOptionsNameTheOption) {
       "");
 }
 
+// Construction options are strict on every built-in backend (docs/semantics.md, "Options"): an
+// unknown or misspelled key is InvalidArgument naming it, listing the valid ones and the near
+// miss; the messages name the backend the user chose; the per-call slot stays tolerant.
+TEST(BackendOptions, UnknownKeysAreRefusedNamingThem) {
+  const auto error_of = [](const std::string& backend, BackendOptions o) -> std::string {
+    AttentionConfig c = testing::layer_config(backend, 2, 2, 64);
+    c.backend_options = std::move(o);
+    try {
+      (void)Attention(c);
+    } catch (const InvalidArgument& e) {
+      return e.field() + ": " + e.what();
+    }
+    return "";
+  };
+  const std::string sage = error_of("SAGE", {{"pv_dtyp", std::string("int8")}});
+  EXPECT_EQ(sage.rfind("pv_dtyp: ", 0), 0u) << sage;
+  EXPECT_NE(sage.find("not an option of SAGE"), std::string::npos) << sage;
+  EXPECT_NE(sage.find("did you mean 'pv_dtype'"), std::string::npos) << sage;
+  EXPECT_NE(sage.find("rotate"), std::string::npos) << sage;  // the valid ones listed
+  EXPECT_EQ(error_of("SAGE", {{" pv_dtype", std::string("int8")}}).rfind(" pv_dtype: ", 0), 0u);
+  EXPECT_EQ(error_of("FLASH", {{"pv_dtype", std::string("int8")}}).rfind("pv_dtype: ", 0), 0u);
+  EXPECT_EQ(error_of("FLASH", {{"sparsity", 0.9}}).rfind("sparsity: ", 0), 0u);
+  EXPECT_EQ(error_of("VIDEO_SPARSE", {{"spasity", 0.9}}).rfind("spasity: ", 0), 0u);
+  EXPECT_NE(error_of("REFERENCE", {{"rotate", true}}).find("it takes none"), std::string::npos);
+  // The options each declares pass.
+  EXPECT_EQ(error_of("SAGE", {{"pv_dtype", std::string("int8")},
+                              {"rotate", false},
+                              {"smooth_k", true},
+                              {"balance_qk", true}}),
+            "");
+  EXPECT_EQ(error_of("FLASH", {{"compute_dtype", std::string("bf16")}}), "");
+  EXPECT_EQ(error_of("VIDEO_SPARSE", {{"sparsity", 0.5}, {"qk_dtype", std::string("int8")}}), "");
+  // The backend chosen, not "FLASH", in an engine error.
+  const std::string isa = error_of("SAGE", {{"isa", std::string("sse9")}});
+  EXPECT_NE(isa.find("not an engine of SAGE"), std::string::npos) << isa;
+  EXPECT_EQ(isa.find("FLASH"), std::string::npos) << isa;
+  // rotate must be a bool.
+  EXPECT_EQ(error_of("SAGE", {{"rotate", std::string("yes")}}).rfind("rotate: ", 0), 0u);
+  // The per-call slot ignores what it does not know.
+  const Tensor q = random_tensor({1, 8, 2, 64}, DType::F32, 1);
+  AttentionMetadata m;
+  m.extra.backend["no_such_key"] = std::int64_t(1);
+  EXPECT_NO_THROW((void)Attention(testing::layer_config("SAGE", 2, 2, 64))
+                      .forward(q.view(), q.view(), q.view(), m));
+}
+
+// rotate (default true) changes only the codes: the answer stays within SAGE's bound either way,
+// with d a power of two or not (block-diagonal Hadamard, never a padded d), and the two differ.
+TEST(Sage, RotationKeepsTheAnswer) {
+  for (const i64 d : {40, 59, 64, 72, 80, 96, 128}) {
+    SCOPED_TRACE("D" + std::to_string(d));
+    const DitLike x = dit_like(150, 2, d, 91);
+    AttentionConfig c = sage_config(2, 2, d);
+    const ForwardResult on = Attention(c).forward(x.q.view(), x.k.view(), x.v.view());
+    c.backend_options["rotate"] = false;
+    const ForwardResult off = Attention(c).forward(x.q.view(), x.k.view(), x.v.view());
+    const ForwardResult want = reference(c, x.q, x.k, x.v);
+    const HeadAccuracy a = per_head(on.out, want.out), b = per_head(off.out, want.out);
+    EXPECT_GE(a.worst_cosine, 0.9995);
+    EXPECT_LE(a.worst_rel_l1, 0.01);
+    EXPECT_GE(b.worst_cosine, 0.9995);
+    EXPECT_FALSE(testing::bitwise_equal(on.out, off.out));
+  }
+}
+
 // Approximate, so never the automatic choice; FLASH never runs an int8 engine.
 TEST(Sage, IsChosenOnlyExplicitly) {
   AttentionConfig c = testing::layer_config("", 2, 2, 64);

@@ -616,7 +616,7 @@ TEST(VideoSparseBackend, BadOptionsNameTheOption) {
             "block_map");
   const Tensor gate = Tensor::zeros({c.batch, c.seq, c.hq + 1}, DType::F32);
   EXPECT_EQ(field_of({{"gate", gate.view()}}), "gate");
-  EXPECT_EQ(field_of({{"unknown_key", i64(3)}}), "<none>");
+  EXPECT_EQ(field_of({{"unknown_key", i64(3)}}), "unknown_key");  // strict (semantics.md)
   // FLASH's engine options, checked as FLASH checks them.
   EXPECT_EQ(field_of({{"isa", std::string("sse9")}}), "isa");
   EXPECT_EQ(field_of({{"compute_dtype", std::string("f64")}}), "compute_dtype");

@@ -133,6 +133,13 @@ struct Refusal {
 // A backend declares its capabilities once, as a BackendCapabilities value passed to the
 // constructor (include/dattn/capabilities.hpp lists each with the feature it guards), and makes
 // Impls.
+class Backend;
+// InvalidArgument naming the first key of `options` that `backend` does not declare
+// (Backend::option_names), listing the valid ones (and the nearest, where one is a near miss);
+// nothing where the backend declares none. Keys are matched exactly (no trimming, no case
+// folding): callers that parse text (the CLI) trim it first.
+void check_backend_options(const Backend& backend, const BackendOptions& options);
+
 class Backend : public std::enable_shared_from_this<Backend> {
  public:
   explicit Backend(BackendCapabilities capabilities = {})
@@ -193,6 +200,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // The seed's get_impl_cls: makes an Impl. Must not be called for a config that
   // refusal() rejects; the registry and the layer check first.
   virtual std::unique_ptr<Impl> make_impl(const ImplConfig& config) const = 0;
+
+  // The construction options (AttentionConfig::backend_options) this backend reads, by name;
+  // nullopt where it does not declare them (a backend registered from outside, whose options are
+  // then not checked). A layer refuses any other key: check_backend_options below. The per-call
+  // slot (extra.backend) stays tolerant.
+  virtual std::optional<std::vector<std::string>> option_names() const { return std::nullopt; }
 
   // Whether the backend claims `f`: the capability that guards it (capability_for(f)) holds,
   // and so does that of every feature it implies.

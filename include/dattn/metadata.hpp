@@ -85,7 +85,9 @@ std::string_view joint_strategy_name(JointStrategy s);
 
 // A value in the opaque per-backend slot.
 using OptionValue = std::variant<bool, std::int64_t, double, std::string, TensorView>;
-// Opaque per-backend options; every backend ignores keys it does not know.
+// Per-backend options. As a layer's construction options (AttentionConfig::backend_options)
+// they are strict: a key the chosen backend does not declare (Backend::option_names) is
+// InvalidArgument. In a call's extra.backend slot every backend ignores keys it does not know.
 using BackendOptions = std::map<std::string, OptionValue, std::less<>>;
 
 // The seed's well-known `extra` keys as typed fields, plus the opaque slot.

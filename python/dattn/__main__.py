@@ -130,7 +130,7 @@ def format_text(data: dict) -> str:
 
     backends = data["backends"]
     caps = [k for k in backends[0] if k not in ("name", "description", "priority", "available",
-                                                "unavailable_reason")] if backends else []
+                                                "unavailable_reason", "options")] if backends else []
     rows = ["priority", "available"] + caps
     width = max([len("backend")] + [len(r) for r in rows])
     widths = [max([len(b["name"])] + [len(_cell(b[r])) for r in rows]) for b in backends]
@@ -149,6 +149,8 @@ def format_text(data: dict) -> str:
         lines.append(f"{b['name']}: {b['description']}")
         if b["unavailable_reason"]:
             lines.append(f"  unavailable: {b['unavailable_reason']}")
+        if b.get("options") is not None:
+            lines.append(f"  options: {', '.join(b['options']) or 'none'}")
     return "\n".join(lines) + "\n"
 
 

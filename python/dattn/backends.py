@@ -29,6 +29,10 @@ class BackendInfo:
         self.dtypes: dict = dict(data["dtypes"])
         self.available: bool = data["available"]
         self.kv_cache_dtypes: dict = {k: set(v) for k, v in data["kv_cache_dtypes"].items()}
+        #: The construction options (``backend_kwargs``) the backend reads, or None where it
+        #: does not declare them (then they are not checked); a layer refuses any other key.
+        self.options: Optional[tuple] = (
+            None if data.get("options") is None else tuple(data["options"]))
 
     def get_name(self) -> str:
         return self.name

@@ -28,7 +28,9 @@ diffusers' own members and backends are left as they were).
 from __future__ import annotations
 
 import math
+import sys
 import threading
+import weakref
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -42,6 +44,28 @@ NAMES: Dict[str, tuple] = {
 }
 
 _LOCK = threading.RLock()
+# The attention processors a dattn name has served (held weakly): unregister() refuses while one
+# of them still names dattn, which diffusers would otherwise fail on at the next forward with a
+# bare KeyError.
+_SERVED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _note_processor(frame) -> None:
+    """Records the attention processor among the callers of a dattn backend function (the
+    frame's ``self`` that carries ``_attention_backend``), weakly; not while compiling."""
+    if torch.compiler.is_compiling():
+        return
+    for _ in range(4):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if owner is not None and hasattr(owner, "_attention_backend"):
+            try:
+                _SERVED.add(owner)
+            except TypeError:  # not weakly referable
+                pass
+            return
+        frame = frame.f_back
 _CLIENTS: Dict[str, Any] = {}
 
 
@@ -200,6 +224,7 @@ def make_backend_function(client_of: Callable[[], Any]):
                         is_causal: bool = False, scale: Optional[float] = None,
                         enable_gqa: bool = False, return_lse: bool = False,
                         _parallel_config=None):
+        _note_processor(sys._getframe(1))
         client = client_of()
         if _parallel_config is None:
             return _forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -314,24 +339,67 @@ def registered() -> bool:
                for v in NAMES)
 
 
+def _open_context(ad, members: dict) -> Optional[str]:
+    """The dattn name of an ``attention_backend(...)`` block that is open now (its suspended
+    generator found among the live objects), or None."""
+    import gc
+    import inspect
+
+    wrapped = getattr(ad.attention_backend, "__wrapped__", None)
+    code = getattr(wrapped, "__code__", None)
+    if code is None:
+        return None
+    for obj in gc.get_objects():
+        if inspect.isgenerator(obj) and obj.gi_code is code and obj.gi_frame is not None:
+            backend = obj.gi_frame.f_locals.get("backend")
+            if backend in members:
+                return members[backend]
+    return None
+
+
 def unregister() -> None:
-    """Removes dattn's names from diffusers (nothing if absent). Where one is the active
-    backend, diffusers' default (DIFFUSERS_ATTN_BACKEND, else native) becomes active again;
-    call ``model.reset_attention_backend()`` first on models set to one by name."""
+    """Removes dattn's names from diffusers (nothing if absent). Refused, with
+    ``InvalidArgument`` naming the name and how to reset, while diffusers would still look one
+    up (and fail with a bare ``KeyError`` at the next forward): inside an open
+    ``attention_backend("dattn")`` block (leave it first), or while an attention processor dattn
+    has served (held weakly) still names one (``model.reset_attention_backend()`` first). Where
+    diffusers' process-wide active backend is one of them only because
+    ``set_attention_backend`` set it (diffusers' ``reset_attention_backend`` leaves it),
+    diffusers' default (``DIFFUSERS_ATTN_BACKEND``, else native) becomes active again."""
     try:
         from diffusers.models import attention_dispatch as ad
     except ImportError:
         return
     reg = ad._AttentionBackendRegistry
     with _LOCK:
+        members = {ad.AttentionBackendName._member_map_.get(m): v for v, (m, _b) in NAMES.items()}
+        members.pop(None, None)
+        if not members:
+            return
+        if reg._active_backend in members and (name := _open_context(ad, members)) is not None:
+            raise _with_field(
+                InvalidArgument,
+                f"dattn.diffusers.unregister: diffusers' active attention backend is '{name}' "
+                f"(an open `attention_backend('{name}')` block); leave the block first",
+                "backend")
+        for processor in list(_SERVED):
+            backend = getattr(processor, "_attention_backend", None)
+            if backend in members:
+                name = members[backend]
+                raise _with_field(
+                    InvalidArgument,
+                    f"dattn.diffusers.unregister: an attention processor "
+                    f"({type(processor).__name__}) still uses '{name}'; call "
+                    "model.reset_attention_backend() (or set another backend) on its model first",
+                    "backend")
+        if reg._active_backend in members:
+            default = ad.DIFFUSERS_ATTN_BACKEND
+            reg._active_backend = (ad.AttentionBackendName(default)
+                                   if default not in NAMES else ad.AttentionBackendName.NATIVE)
         for value, (member_name, _backend) in NAMES.items():
             member = ad.AttentionBackendName._member_map_.get(member_name)
             if member is None:
                 continue
-            if reg._active_backend == member:
-                default = ad.DIFFUSERS_ATTN_BACKEND
-                reg._active_backend = (ad.AttentionBackendName(default)
-                                       if default not in NAMES else ad.AttentionBackendName.NATIVE)
             for table in (reg._backends, reg._constraints, reg._supported_arg_names):
                 table.pop(member, None)
             reg._supports_context_parallel.discard(value)

@@ -197,11 +197,22 @@ def metadata_dict(meta, tensor_arg):
     d["video_layout"] = _video_layout_dict(get("video_layout"))
     pp = get("packed_padding")
     if pp is not None:
+        pp_names = ("q_length", "kv_length", "cu_seqlens_q", "cu_seqlens_k")
+        if isinstance(pp, Mapping) and all(f in pp for f in pp_names):
+            pp_field = pp.__getitem__
+        elif all(hasattr(pp, f) for f in pp_names):
+            pp_field = lambda f, pp=pp: getattr(pp, f)  # noqa: E731
+        else:
+            raise _with_field(
+                InvalidArgumentType,
+                "packed_padding: expected a PackedPaddingMetadata (q_length, kv_length, "
+                f"cu_seqlens_q, cu_seqlens_k), got {type(pp).__name__} {pp!r:.80}",
+                "packed_padding")
         d["packed_padding"] = {
-            "q_length": as_int(getattr(pp, "q_length", None), "packed_padding.q_length"),
-            "kv_length": as_int(getattr(pp, "kv_length", None), "packed_padding.kv_length"),
-            "cu_seqlens_q": tensor_arg(pp.cu_seqlens_q, "packed_padding.cu_seqlens_q"),
-            "cu_seqlens_k": tensor_arg(pp.cu_seqlens_k, "packed_padding.cu_seqlens_k"),
+            "q_length": as_int(pp_field("q_length"), "packed_padding.q_length"),
+            "kv_length": as_int(pp_field("kv_length"), "packed_padding.kv_length"),
+            "cu_seqlens_q": tensor_arg(pp_field("cu_seqlens_q"), "packed_padding.cu_seqlens_q"),
+            "cu_seqlens_k": tensor_arg(pp_field("cu_seqlens_k"), "packed_padding.cu_seqlens_k"),
         }
     extra = get("extra")
     if extra is None:

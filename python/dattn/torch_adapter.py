@@ -93,6 +93,16 @@ def call_threads() -> int:
 # --- counters --------------------------------------------------------------------------------
 
 
+def check_backend_kwargs(backend: Optional[str], backend_kwargs: dict) -> None:
+    """Checks ``backend_kwargs`` for ``backend`` now, as a layer would (an unknown or misspelled
+    key, or a value of the wrong type or outside the valid set: ``InvalidArgument`` naming it),
+    so that patch_torch_sdpa and dattn.diffusers.enable refuse them when called, not at the first
+    call inside the model: a probe layer of one head of size 64 is built and dropped."""
+    from .attention import Attention
+
+    Attention(1, 64, backend=backend, backend_kwargs=backend_kwargs)
+
+
 class Client:
     """Who a call is served for: the backend configuration its layers are built with and its
     counters (``calls``: calls dattn computed; ``fallbacks``: calls handed to PyTorch, by
@@ -104,6 +114,8 @@ class Client:
         self.name = name
         self.backend, self.allow_fallback = adapter_backend(backend)
         self.backend_kwargs = dict(backend_kwargs or {})
+        if self.backend_kwargs:
+            check_backend_kwargs(self.backend, self.backend_kwargs)
         self.config = json.dumps(
             {"backend": self.backend, "allow_fallback": self.allow_fallback,
              "backend_kwargs": self.backend_kwargs},

@@ -295,11 +295,22 @@ def _ulysses_joined(query, key, md) -> bool:
     return any(torch.equal(head, jq[:, :, r * hq:(r + 1) * hq]) for r in range(jhq // hq))
 
 
+def _declared_options(backend: Optional[str]):
+    """The option names of the dattn backend a layer named ``backend`` gets (None: the automatic
+    choice, resolved as the layer resolves it), or None where that backend declares none."""
+    return get_backend(Attention(1, 64, backend=backend).backend_name).options
+
+
 class DattnAttentionImpl(_ImplBase):
     """One attention layer of the engine, computed by :class:`dattn.Attention` layers.
 
     ``backend_kwargs`` are dattn's backend options; the key ``"backend"`` picks the dattn
-    backend (e.g. ``"REFERENCE"``). Without it: ``DIFFUSION_ATTENTION_BACKEND`` if it names one
+    backend (e.g. ``"REFERENCE"``). As the engine's own backends do with the per-role specs it
+    hands every backend (keys such as ``skip_softmax_threshold``, ``target_sparsity`` or
+    ``dtype_qk`` belong to its other backends), the impl takes the options the chosen dattn
+    backend declares (:attr:`dattn.backends.BackendInfo.options`, checked by type and value:
+    ``InvalidArgument`` naming the option) and ignores the others, listed in
+    ``self.ignored_backend_kwargs``. Without it: ``DIFFUSION_ATTENTION_BACKEND`` if it names one
     of dattn's backends, else (unset, ``auto``, or the engine's names such as ``DATTN``) the
     automatic choice, FLASH; the name is passed to dattn's core explicitly, so the engine's
     value of that variable never reaches dattn's registry (see
@@ -357,6 +368,13 @@ class DattnAttentionImpl(_ImplBase):
     ) -> None:
         options = dict(backend_kwargs or {})
         backend, allow_fallback = adapter_backend(options.pop("backend", None))
+        declared = _declared_options(backend)
+        #: backend_kwargs keys the chosen dattn backend does not take (the engine's other
+        #: backends' keys), left out of its layers.
+        self.ignored_backend_kwargs: Dict[str, Any] = {}
+        if declared is not None:
+            self.ignored_backend_kwargs = {k: v for k, v in options.items() if k not in declared}
+            options = {k: v for k, v in options.items() if k in declared}
         self.num_heads = num_heads
         self.head_size = head_size
         self.causal = bool(causal)

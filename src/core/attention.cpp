@@ -195,7 +195,8 @@ Attention::Attention(AttentionConfig config) : state_(std::make_unique<State>())
   s.selection = s.registry->select(s.request, config.backend, &config.backend_options);
   s.automatic = s.selection.source == "auto";
   s.config = std::move(config);
-  s.primary = s.make_slot(s.selection.backend);
+  s.primary = s.make_slot(s.selection.backend);  // its own checks first (they say more)
+  check_backend_options(*s.selection.backend, s.config.backend_options);
   if (!s.primary->impl->supports_kv_cache_dtype(s.config.kv_cache_dtype, s.config.platform))
     throw Unsupported("kv_cache_dtype",
                       "backend " + s.selection.backend->name() +

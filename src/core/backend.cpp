@@ -8,6 +8,46 @@
 
 namespace dattn {
 
+namespace {
+// The edit distance of a and b (insertions, deletions, substitutions; small strings).
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+}  // namespace
+
+void check_backend_options(const Backend& backend, const BackendOptions& options) {
+  const std::optional<std::vector<std::string>> names = backend.option_names();
+  if (!names) return;
+  for (const auto& [key, value] : options) {
+    if (std::find(names->begin(), names->end(), key) != names->end()) continue;
+    std::string valid, nearest;
+    std::size_t best = 3;  // a near miss: at most two edits (or the same words, spaced)
+    for (const std::string& n : *names) {
+      valid += (valid.empty() ? "" : ", ") + n;
+      std::string trimmed(key);
+      trimmed.erase(0, trimmed.find_first_not_of(" \t"));
+      trimmed.erase(trimmed.find_last_not_of(" \t") + 1);
+      const std::size_t dist = trimmed == n ? 0 : edit_distance(key, n);
+      if (dist < best) best = dist, nearest = n;
+    }
+    throw InvalidArgument(
+        key, "backend option '" + key + "' is not an option of " + backend.name() +
+                 (valid.empty() ? " (it takes none)" : "; valid: " + valid) +
+                 (nearest.empty() ? std::string() : " (did you mean '" + nearest + "'?)"));
+  }
+}
+
 QkvLayout parse_qkv_layout(std::string_view s) {
   std::string v(s);
   std::transform(v.begin(), v.end(), v.begin(),

@@ -454,6 +454,10 @@ py::dict backend_info(const Backend& b) {
   py::dict d;
   d["name"] = b.name();
   d["description"] = b.description();
+  if (const auto names = b.option_names())
+    d["options"] = py::cast(*names);
+  else
+    d["options"] = py::none();
   d["priority"] = b.priority();
   for (const Capability& c : capability_table())
     d[py::str(std::string(c.name))] = capability_python(c.read(b, nullptr));

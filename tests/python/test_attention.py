@@ -354,3 +354,32 @@ def test_flash_engines_isa_compute_dtype_and_last_engine():
     with pytest.raises(dattn.InvalidArgument):
         dattn.Attention(4, 40, backend_kwargs={"isa": "sse9"})
     assert dattn.Attention(4, 40, backend="REFERENCE").last_engine == ""
+
+
+def test_backend_kwargs_are_strict():
+    """An unknown or misspelled backend option is InvalidArgument naming it and the valid ones
+    (with the near miss), at construction; each backend lists its options; values by type."""
+    with pytest.raises(dattn.InvalidArgument, match="pv_dtyp.*did you mean 'pv_dtype'") as e:
+        dattn.Attention(2, 64, backend="SAGE", backend_kwargs={"pv_dtyp": "int8"})
+    assert e.value.field == "pv_dtyp"
+    with pytest.raises(dattn.InvalidArgument, match="not an option of FLASH"):
+        dattn.Attention(2, 64, backend="FLASH", backend_kwargs={"pv_dtype": "int8"})
+    with pytest.raises(dattn.InvalidArgument, match="rotate"):
+        dattn.Attention(2, 64, backend="SAGE", backend_kwargs={"rotate": "yes"})
+    assert set(dattn.get_backend("SAGE").options) == {
+        "isa", "pv_dtype", "smooth_k", "balance_qk", "rotate"}
+    assert dattn.get_backend("REFERENCE").options == ()
+    layer = dattn.Attention(2, 64, backend="SAGE",
+                            backend_kwargs={"pv_dtype": "int8", "rotate": False})
+    q = rand(1, 20, 2, 64, seed=3)
+    layer.forward(q, q, q)
+
+
+def test_packed_padding_of_the_wrong_type_names_its_type():
+    q = rand(1, 8, 2, 16, seed=1)
+    layer = dattn.Attention(2, 16)
+    for bad in (3, "padding", {"q_length": 4}):
+        with pytest.raises(dattn.InvalidArgument, match="packed_padding: expected a "
+                           "PackedPaddingMetadata") as e:
+            layer.forward(q, q, q, dattn.AttentionMetadata(packed_padding=bad))
+        assert type(bad).__name__ in str(e.value)

@@ -476,6 +476,9 @@ def test_enable_refuses_what_it_cannot_take():
     with pytest.raises(dattn.InvalidArgument) as e:
         dd.enable(model, backend="NO_SUCH_BACKEND")
     assert e.value.field == "backend"
+    with pytest.raises(dattn.InvalidArgument, match="did you mean 'pv_dtype'") as e:
+        dd.enable(model, backend="SAGE", backend_kwargs={"pv_dtyp": "int8"})
+    assert e.value.field == "pv_dtyp"
     assert snapshot(model) == before and dd.handle_of(model) is None
     with dd.enable(model):
         with pytest.raises(dattn.InvalidArgument, match="already runs on dattn"):

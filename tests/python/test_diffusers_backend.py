@@ -88,11 +88,29 @@ def test_register_is_idempotent_and_unregister_removes_only_dattn():
                                                   ad.AttentionBackendName.DATTN_SAGE]
 
 
-def test_unregister_while_active_restores_diffusers_default():
+def test_unregister_while_in_use_is_refused_naming_the_name():
     with ad.attention_backend("dattn"):
-        dd.unregister()
-        assert ad._AttentionBackendRegistry._active_backend == ad.AttentionBackendName.NATIVE
+        with pytest.raises(dattn.InvalidArgument, match="active attention backend is 'dattn'"):
+            dd.unregister()
+    assert dd.registered()
+    registry = ad._AttentionBackendRegistry
+    active = registry._active_backend
+    model, inputs = td.flux()
+    model.set_attention_backend("dattn_sage")  # diffusers sets it process-wide too
+    try:
+        td.run(model, inputs)
+        with pytest.raises(dattn.InvalidArgument, match="reset_attention_backend") as e:
+            dd.unregister()
+        assert "dattn_sage" in str(e.value) and e.value.field == "backend"
+        assert dd.registered()
+    finally:
+        model.reset_attention_backend()
+    dd.unregister()  # nothing names dattn now; the process-wide default is diffusers' again
+    assert not dd.registered()
+    assert registry._active_backend == ad.AttentionBackendName.NATIVE
+    td.run(model, inputs)  # the reset model runs on diffusers' default
     dd.register()
+    registry._active_backend = active
 
 
 @pytest.mark.parametrize("name", ["flux", "wan", "qwen"])

@@ -582,3 +582,43 @@ def test_patch_with_sage_serves_8bit_attention():
     for g, w in ((got, want), (got_causal, want_causal)):
         cos = F.cosine_similarity(g.flatten(2), w.flatten(2), dim=-1)
         assert float(cos.min()) >= 0.9995, float(cos.min())
+
+
+def test_patch_refuses_bad_backend_kwargs_when_called():
+    """A misspelled option or a bad value fails at patch_torch_sdpa, not at the first call
+    inside the model; nothing is patched."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    with pytest.raises(dattn.InvalidArgument, match="pv_dtype"):
+        dattn.patch_torch_sdpa(backend="SAGE", backend_kwargs={"pv_dtype": "bogus"})
+    with pytest.raises(dattn.InvalidArgument, match="pv_dtyp"):
+        dattn.patch_torch_sdpa(backend="SAGE", backend_kwargs={"pv_dtyp": "int8"})
+    assert F.scaled_dot_product_attention is original
+
+
+def test_sage_through_the_patch_ignores_masked_keys():
+    """SAGE through the SDPA drop-in with a 4-D bool mask: what the masked keys hold (100, 1e4,
+    -1e4) changes no kept row, bit for bit (NaN inputs go to PyTorch: the drop-in's
+    non_finite rule)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 96, 64, generator=g)
+    k = torch.randn(1, 2, 160, 64, generator=g) + 4.0
+    v = torch.randn(1, 2, 160, 64, generator=g)
+    mask = torch.ones(1, 1, 1, 160, dtype=torch.bool)
+    mask[..., 130:] = False
+    outs = []
+    patch = dattn.patch_torch_sdpa(backend="SAGE")
+    try:
+        for garbage in (0.0, 100.0, 1e4, -1e4):
+            kk, vv = k.clone(), v.clone()
+            kk[:, :, 130:] = garbage
+            vv[:, :, 130:] = garbage
+            outs.append(F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask))
+    finally:
+        patch.undo()
+    assert patch.calls == 4 and not patch.fallbacks, patch
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])

@@ -351,3 +351,22 @@ def test_no_engine_modules_leak():
     ]
     assert not stubs
     assert dattn.vllm_omni.ENGINE_AVAILABLE == (ENGINE_MODULE in sys.modules)
+
+
+def test_impl_takes_dattns_options_and_ignores_the_engines_others(engine):
+    """The engine hands every backend the same per-role specs (keys of its other backends):
+    the impl passes the options the chosen dattn backend declares (checked: a bad value names
+    the option) and ignores, lists, the others."""
+    a = engine.adapter
+    impl = a.DattnSageAttentionImpl(
+        4, 64, None, backend_kwargs={"pv_dtype": "int8", "skip_softmax_threshold": 0.1,
+                                     "target_sparsity": 0.5, "dtype_qk": "fp8"})
+    assert impl.backend_name == "SAGE"
+    assert impl.ignored_backend_kwargs == {"skip_softmax_threshold": 0.1,
+                                           "target_sparsity": 0.5, "dtype_qk": "fp8"}
+    q = rand(1, 30, 4, 64, seed=1)
+    impl.forward(q, q, q)
+    with pytest.raises(dattn.InvalidArgument, match="pv_dtype"):
+        a.DattnSageAttentionImpl(4, 64, None, backend_kwargs={"pv_dtype": "int4"})
+    flash = a.DattnAttentionImpl(4, 64, None, backend_kwargs={"pv_dtype": "int8"})
+    assert flash.backend_name == "FLASH" and flash.ignored_backend_kwargs == {"pv_dtype": "int8"}

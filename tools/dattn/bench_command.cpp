@@ -113,45 +113,6 @@ void add_bench_options(CLI::App& command, BenchOptions& options) {
   command.add_option("--svg", options.svg, "Also write a bar chart of GFLOP/s to this file");
 }
 
-// A --backend value: NAME, or NAME:key=value,key=value with options for that backend only.
-struct BackendSpec {
-  std::string name, options;  // options as given ("" when none)
-  BackendOptions parsed;
-};
-BackendSpec parse_backend_spec(const std::string& spec) {
-  BackendSpec out;
-  const std::size_t colon = spec.find(':');
-  out.name = spec.substr(0, colon);
-  if (colon == std::string::npos) return out;
-  out.options = spec.substr(colon + 1);
-  std::size_t at = colon + 1;
-  while (at <= spec.size()) {
-    const std::size_t end = std::min(spec.find(',', at), spec.size());
-    const std::string item = spec.substr(at, end - at);
-    const std::size_t eq = item.find('=');
-    if (eq == std::string::npos || eq == 0)
-      throw InvalidArgument("backend", "--backend " + spec + ": '" + item +
-                                           "' is not key=value; valid: NAME or "
-                                           "NAME:key=value,key=value");
-    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-    std::size_t used = 0;
-    long long number = 0;
-    try {
-      number = std::stoll(value, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (!value.empty() && used == value.size())
-      out.parsed[key] = std::int64_t(number);
-    else if (value == "true" || value == "false")
-      out.parsed[key] = value == "true";
-    else
-      out.parsed[key] = value;
-    at = end + 1;
-  }
-  return out;
-}
-
 int run_bench(const BenchOptions& options) {
   const std::vector<std::string> names =
       options.workloads.empty() ? std::vector<std::string>{"small"} : options.workloads;
@@ -168,8 +129,12 @@ int run_bench(const BenchOptions& options) {
   // Before any measurement: --isa / --compute-dtype with a backend that has no engines.
   std::vector<BackendSpec> specs;
   for (const std::string& backend : backends) specs.push_back(parse_backend_spec(backend));
-  for (const BackendSpec& spec : specs)
+  std::vector<std::string> spec_names;
+  for (const BackendSpec& spec : specs) {
     check_engine_options(measurement_for(chosen.front(), options.measure), spec.name);
+    spec_names.push_back(spec.name);
+  }
+  check_flag_options(measurement_for(chosen.front(), options.measure), spec_names);
   std::vector<RunReport> reports;
   for (const Workload& w : chosen)
     for (const std::string& dtype : dtypes)

@@ -79,6 +79,8 @@ json backend_json(const Backend& b) {
   const std::optional<std::string> reason = unavailable_reason(b);
   j["available"] = !reason.has_value();
   j["unavailable_reason"] = reason ? json(*reason) : json(nullptr);
+  const std::optional<std::vector<std::string>> options = b.option_names();
+  j["options"] = options ? json(*options) : json(nullptr);  // its backend options (strict)
   for (const Capability& c : capability_table())
     j[std::string(c.name)] = capability_json(c.read(b, nullptr));
   return j;
@@ -261,6 +263,12 @@ void print_text(std::ostream& os, const json& info) {
     os << b["name"].get<std::string>() << ": " << b["description"].get<std::string>() << '\n';
     if (!b["unavailable_reason"].is_null())
       os << "  unavailable: " << b["unavailable_reason"].get<std::string>() << '\n';
+    if (b["options"].is_array()) {
+      std::string names;
+      for (const json& n : b["options"])
+        names += (names.empty() ? "" : ", ") + n.get<std::string>();
+      os << "  options: " << (names.empty() ? std::string("none") : names) << '\n';
+    }
   }
 }
 

@@ -306,26 +306,131 @@ Measurement measurement_for(const Workload& workload, const MeasureOptions& opti
   m.smooth_signal = options.signal == "smooth";
   m.allow_fallback = options.fallback;
   if (!options.window.empty()) {
-    m.backend_options["selection"] = std::string("sliding_tile");
-    m.backend_options["window"] = options.window;
+    m.flag_options["selection"] = std::string("sliding_tile");
+    m.flag_options["window"] = options.window;
   }
-  if (options.topk) m.backend_options["topk"] = *options.topk;
-  if (options.sparsity) m.backend_options["sparsity"] = *options.sparsity;
-  if (!options.tile.empty()) m.backend_options["tile"] = options.tile;
+  if (options.topk) m.flag_options["topk"] = *options.topk;
+  if (options.sparsity) m.flag_options["sparsity"] = *options.sparsity;
+  if (!options.tile.empty()) m.flag_options["tile"] = options.tile;
   if (!options.kv_dtype.empty()) m.kv_dtype = parse_kv_cache_dtype(options.kv_dtype);
   m.page_block = options.paged;
   if (!options.page_dtype.empty()) m.page_dtype = parse_dtype(options.page_dtype);
-  if (!options.compute_dtype.empty()) m.backend_options["compute_dtype"] = options.compute_dtype;
-  if (!options.isa.empty()) m.backend_options["isa"] = options.isa;
-  if (!options.pv_dtype.empty()) m.backend_options["pv_dtype"] = options.pv_dtype;
+  if (!options.compute_dtype.empty()) m.flag_options["compute_dtype"] = options.compute_dtype;
+  if (!options.isa.empty()) m.flag_options["isa"] = options.isa;
+  if (!options.pv_dtype.empty()) m.flag_options["pv_dtype"] = options.pv_dtype;
   return m;
+}
+
+namespace {
+std::string trimmed(const std::string& s) {
+  const std::size_t first = s.find_first_not_of(" \t");
+  if (first == std::string::npos) return {};
+  return s.substr(first, s.find_last_not_of(" \t") - first + 1);
+}
+}  // namespace
+
+BackendSpec parse_backend_spec(const std::string& spec) {
+  BackendSpec out;
+  const std::size_t colon = spec.find(':');
+  out.name = trimmed(spec.substr(0, colon));
+  if (colon == std::string::npos) return out;
+  out.options = trimmed(spec.substr(colon + 1));
+  if (out.options.empty()) return out;
+  std::size_t at = colon + 1;
+  while (at <= spec.size()) {
+    const std::size_t end = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, end - at);
+    const std::size_t eq = item.find('=');
+    const std::string key = trimmed(item.substr(0, eq));
+    if (eq == std::string::npos || key.empty())
+      throw InvalidArgument("backend", "--backend " + spec + ": '" + item +
+                                           "' is not key=value; valid: NAME or "
+                                           "NAME:key=value,key=value");
+    const std::string value = trimmed(item.substr(eq + 1));
+    std::size_t used = 0;
+    long long integer = 0;
+    double number = 0;
+    bool is_integer = false, is_number = false;
+    try {
+      integer = std::stoll(value, &used);
+      is_integer = !value.empty() && used == value.size();
+    } catch (const std::exception&) {
+    }
+    if (!is_integer) try {
+        number = std::stod(value, &used);
+        is_number = !value.empty() && used == value.size() && std::isfinite(number);
+      } catch (const std::exception&) {
+      }
+    if (is_integer)
+      out.parsed[key] = std::int64_t(integer);
+    else if (is_number)
+      out.parsed[key] = number;
+    else if (value == "true" || value == "false")
+      out.parsed[key] = value == "true";
+    else
+      out.parsed[key] = value;
+    at = end + 1;
+  }
+  return out;
 }
 
 BackendOptions engine_options(const Measurement& m) {
   BackendOptions out;
-  for (const char* key : {"isa", "compute_dtype"})
-    if (const auto it = m.backend_options.find(key); it != m.backend_options.end()) out.insert(*it);
+  for (const BackendOptions* from : {&m.backend_options, &m.flag_options})
+    for (const char* key : {"isa", "compute_dtype"})
+      if (const auto it = from->find(key); it != from->end()) out.insert(*it);
   return out;
+}
+
+std::shared_ptr<const Backend> resolve_backend(const std::string& backend,
+                                               const AttentionConfig& config) {
+  BackendRequest r;
+  r.platform = config.platform;
+  r.head_size = config.head_size;
+  r.dtype = config.dtype;
+  r.kv_cache_dtype = config.kv_cache_dtype;
+  std::optional<std::string_view> name;
+  if (!backend.empty() && !names_equal(backend, "auto")) name = backend;
+  return Registry::global().select(r, name, nullptr).backend;
+}
+
+BackendOptions layer_options(const Measurement& m, const Backend& backend) {
+  BackendOptions out = m.backend_options;
+  const std::optional<std::vector<std::string>> names = backend.option_names();
+  for (const auto& [key, value] : m.flag_options)
+    if (!names || std::find(names->begin(), names->end(), key) != names->end())
+      out.emplace(key, value);  // an explicit NAME:key=value wins
+  return out;
+}
+
+void check_flag_options(const Measurement& m, const std::vector<std::string>& backends) {
+  const AttentionConfig config = workload_attention_config(m.workload, m.dtype);
+  std::vector<std::shared_ptr<const Backend>> chosen;
+  for (const std::string& b : backends) chosen.push_back(resolve_backend(b, config));
+  for (const auto& [key, value] : m.flag_options) {
+    if (key == "isa" || key == "compute_dtype") continue;  // check_engine_options says more
+    bool taken = false;
+    std::string names;
+    for (const auto& b : chosen) {
+      const std::optional<std::vector<std::string>> keys = b->option_names();
+      taken = taken || !keys || std::find(keys->begin(), keys->end(), key) != keys->end();
+      names += (names.empty() ? "" : ", ") + b->name();
+    }
+    if (taken) continue;
+    const std::string flag = key == "selection" || key == "window" ? "--window"
+                             : key == "pv_dtype"                   ? "--pv-dtype"
+                                                                   : "--" + key;
+    std::string takers;
+    for (const auto& b : Registry::global().all()) {
+      const std::optional<std::vector<std::string>> keys = b->option_names();
+      if (keys && std::find(keys->begin(), keys->end(), key) != keys->end())
+        takers += (takers.empty() ? "" : ", ") + b->name();
+    }
+    throw InvalidArgument(
+        key, flag + " is an option of " + (takers.empty() ? std::string("no backend") : takers) +
+                 "; the chosen backend" + (chosen.size() > 1 ? "s (" : " (") + names + ") do" +
+                 (chosen.size() > 1 ? "" : "es") + " not take it");
+  }
 }
 
 void check_engine_options(const Measurement& m, const std::string& backend) {
@@ -443,9 +548,9 @@ RunReport measure(const Measurement& m) {
 
   AttentionConfig config = workload_attention_config(workload, m.dtype);
   config.backend = m.backend;
-  config.backend_options = m.backend_options;
   config.allow_fallback = m.allow_fallback;
   config.kv_cache_dtype = m.kv_dtype;
+  config.backend_options = layer_options(m, *resolve_backend(m.backend, config));
   const Attention layer(config);
   check_engine_options(m, layer.backend().name());
 

@@ -23,8 +23,13 @@ struct Measurement {
   int reps = 1;     // timed calls after one warm-up; the best counts
   std::int64_t check_rows = 32;
   std::uint64_t seed = 1;
-  bool smooth_signal = false;      // Q/K/V of video rows from a smooth signal of (t, h, w)
-  BackendOptions backend_options;  // the layer's backend options (sparse selection etc.)
+  bool smooth_signal = false;  // Q/K/V of video rows from a smooth signal of (t, h, w)
+  // The layer's backend options as given for its backend (bench/run --backend NAME:key=value):
+  // checked against the backend's options, as a layer checks them.
+  BackendOptions backend_options;
+  // The options of the backend flags (--sparsity, --topk, --tile, --window, --pv-dtype, --isa,
+  // --compute-dtype): each goes to the backends that declare it (layer_options).
+  BackendOptions flag_options;
   bool allow_fallback = false;
   std::string mask_png;  // with a sparse backend: write its block map of head 0 here
   KvCacheDtype kv_dtype = KvCacheDtype::unquantized;
@@ -66,11 +71,31 @@ double normwise_rel_err(const TensorView& a, const TensorView& b);
 
 // The backend options of `m` that choose FLASH's engine: isa and compute_dtype, where given.
 BackendOptions engine_options(const Measurement& m);
+// The backend a layer of `config` gets for the name `backend` ("auto" or "": the automatic
+// choice), as the layer will choose it.
+std::shared_ptr<const Backend> resolve_backend(const std::string& backend,
+                                               const AttentionConfig& config);
+// The options a layer on `backend` is built with: m.backend_options, and the flag options
+// `backend` declares (Backend::option_names; all of them for a backend that declares none).
+BackendOptions layer_options(const Measurement& m, const Backend& backend);
+// InvalidArgument naming the flag when a flag option of `m` is an option of none of `backends`
+// (names as on the command line; "auto" resolved as the layer would): e.g. --sparsity with
+// FLASH alone.
+void check_flag_options(const Measurement& m, const std::vector<std::string>& backends);
 // With --isa or --compute-dtype given (engine_options(m) not empty): throws InvalidArgument
 // naming the option when `backend` is a backend without FLASH's engines (FLASH and VIDEO_SPARSE
 // have them; "auto" or "" is checked once the layer has chosen), and NotAvailable naming --isa
 // when this CPU cannot run the engine it names.
 void check_engine_options(const Measurement& m, const std::string& backend);
+
+// A --backend value: NAME, or NAME:key=value,key=value with options for that backend only
+// (spaces around names, keys and values trimmed; values read as an integer, a number, true or
+// false, else a string). InvalidArgument naming `backend` for an item that is not key=value.
+struct BackendSpec {
+  std::string name, options;  // options as given ("" when none)
+  BackendOptions parsed;
+};
+BackendSpec parse_backend_spec(const std::string& spec);
 
 // The workload table, one line each.
 void print_workloads(std::ostream& os);

@@ -68,9 +68,9 @@ std::optional<RunReport> measure_parallel(const Measurement& m, const std::strin
 
   AttentionConfig config = workload_attention_config(w, m.dtype);
   config.backend = m.backend;
-  config.backend_options = m.backend_options;
   config.allow_fallback = m.allow_fallback;
   config.kv_cache_dtype = m.kv_dtype;
+  config.backend_options = layer_options(m, *resolve_backend(m.backend, config));
   AttentionConfig pconfig = config;
   pconfig.parallel = make_parallel_strategy(parallel, world);
   const Attention layer(pconfig);

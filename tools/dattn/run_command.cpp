@@ -12,7 +12,8 @@ void add_run_options(CLI::App& command, RunOptions& options) {
       ->capture_default_str();
   command
       .add_option("--backend,-b", options.backend,
-                  "Backend name, or auto (DIFFUSION_ATTENTION_BACKEND, then the best that fits)")
+                  "Backend name, or auto (DIFFUSION_ATTENTION_BACKEND, then the best that fits); "
+                  "NAME:key=value,... gives it options, as bench's --backend")
       ->capture_default_str();
   command.add_option("--dtype", options.dtype, "Element type of Q, K and V")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))
@@ -42,12 +43,15 @@ int run_run(const RunOptions& options) {
   const std::optional<Workload> workload = workload_or_report(options.workload, options.measure);
   if (!workload) return kExitUsage;
   Measurement m = measurement_for(*workload, options.measure);
-  m.backend = options.backend;
+  const BackendSpec spec = parse_backend_spec(options.backend);
+  m.backend = spec.name;
+  m.backend_options = spec.parsed;
   m.dtype = parse_dtype(options.dtype).value_or(DType::F32);
   m.progress_prefix = "dattn run: ";
   m.mask_png = options.mask_png;
   m.reps = options.reps;
   check_engine_options(m, m.backend);
+  check_flag_options(m, {m.backend});
   if (options.parallel != "none") {
     const std::optional<RunReport> group = measure_parallel(m, options.parallel);
     if (!group) return kExitOk;  // not rank 0
@@ -57,7 +61,8 @@ int run_run(const RunOptions& options) {
       print_text(std::cout, *group);
     return kExitOk;
   }
-  const RunReport report = measure(m);
+  RunReport report = measure(m);
+  report.backend_options = spec.options;
   if (options.json)
     std::cout << to_json(report).dump() << '\n';
   else

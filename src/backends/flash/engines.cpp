@@ -134,18 +134,21 @@ std::string quoted(std::string_view name) {
 
 }  // namespace
 
-const Engine& engine_named(std::string_view given, std::string_view field) {
+const Engine& engine_named(std::string_view given, std::string_view field,
+                           std::string_view backend) {
   const std::string_view name = trimmed(given);
+  const std::string who = std::string(backend);
   for (const Engine& e : kEngines) {
     if (!names_equal(name, e.name)) continue;
     if (const auto why = e.unavailable())
       throw NotAvailable(std::string(field), std::string(field) + " = " + std::string(e.name) +
-                                                 ": FLASH engine " + std::string(e.name) +
+                                                 ": " + who + "'s engine " + std::string(e.name) +
                                                  " is not available: " + *why);
     return e;
   }
   throw InvalidArgument(std::string(field), std::string(field) + " = " + quoted(given) +
-                                                " is not a FLASH engine; valid: " + valid_names() +
+                                                " is not an engine of " + who +
+                                                "; valid: " + valid_names() +
                                                 " (case and surrounding whitespace ignored)");
 }
 
@@ -158,12 +161,12 @@ const Engine* process_cap() {
   return cap;
 }
 
-const Engine* options_cap(const BackendOptions& options) {
+const Engine* options_cap(const BackendOptions& options, std::string_view backend) {
   const auto it = options.find("isa");
   if (it == options.end()) return process_cap();
   const auto* name = std::get_if<std::string>(&it->second);
   if (name == nullptr) throw InvalidArgument("isa", "backend option isa must be a string");
-  return &engine_named(*name, "isa");
+  return &engine_named(*name, "isa", backend);
 }
 
 DType operand_dtype(const AttentionProblem& p) {
@@ -198,6 +201,9 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
       if (cap != nullptr && e.rank > cap->rank) continue;
       if (e.emulated && &e != cap) continue;
       if (cap != nullptr && cap->emulated && &e != cap && e.rank == cap->rank) continue;
+      // A real engine named as the cap is the one of its rank (avx_vnni beside avx512_vnni).
+      if (cap != nullptr && !cap->emulated && &e != cap && e.rank == cap->rank && cap->available())
+        continue;
       if (!e.available()) continue;
       return e;
     }
@@ -240,11 +246,12 @@ PvDtype parse_pv_dtype(const BackendOptions& options) {
                             "codes: faster, less accurate)");
 }
 
-bool parse_bool_option(const BackendOptions& options, const std::string& name) {
+bool parse_bool_option(const BackendOptions& options, const std::string& name, bool default_value) {
   const auto it = options.find(name);
-  if (it == options.end()) return true;
+  if (it == options.end()) return default_value;
   if (const auto* b = std::get_if<bool>(&it->second)) return *b;
-  throw InvalidArgument(name, "backend option " + name + " must be a bool (default true)");
+  throw InvalidArgument(name, "backend option " + name + " must be a bool (default " +
+                                  (default_value ? "true" : "false") + ")");
 }
 
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {

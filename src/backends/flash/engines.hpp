@@ -46,16 +46,18 @@ struct Engine {
 // The table, in ladder order (emulated twins right after their real ones).
 std::span<const Engine> engines();
 
-// The engine called `name` (case-insensitive). Throws InvalidArgument naming `field` and the
-// valid names when there is none, NotAvailable naming `field` when this CPU cannot run it.
-const Engine& engine_named(std::string_view name, std::string_view field);
+// The engine called `name` (case-insensitive). Throws InvalidArgument naming `field`, the
+// backend the user chose and the valid names when there is none, NotAvailable naming `field`
+// when this CPU cannot run it.
+const Engine& engine_named(std::string_view name, std::string_view field,
+                           std::string_view backend = "FLASH");
 
 // The cap DATTN_ISA sets for the process (checked once): nullptr when unset (automatic choice).
 const Engine* process_cap();
 
-// The cap a backend's `isa` option names (InvalidArgument naming isa if not a string or not an
-// engine, NotAvailable when this CPU cannot run it), else process_cap().
-const Engine* options_cap(const BackendOptions& options);
+// The cap backend `backend`'s `isa` option names (InvalidArgument naming isa if not a string or
+// not an engine, NotAvailable when this CPU cannot run it), else process_cap().
+const Engine* options_cap(const BackendOptions& options, std::string_view backend = "FLASH");
 
 // The dtype a bf16 engine would round a call's operands from: BF16 only when every Q, K and V
 // the call reads (joint ones and pages included, unquantized) is bf16, so that the automatic
@@ -83,7 +85,11 @@ enum class PvDtype { automatic, bf16, f32, int8 };
 PvDtype parse_pv_dtype(const BackendOptions& options);
 // A bool backend option (SAGE's smooth_k, balance_qk): true when absent; InvalidArgument naming
 // it when not a bool.
-bool parse_bool_option(const BackendOptions& options, const std::string& name);
+bool parse_bool_option(const BackendOptions& options, const std::string& name,
+                       bool default_value = true);
+// SAGE's option `rotate` when it is not given (docs/semantics.md, "SAGE": chosen by
+// measurement).
+inline constexpr bool kRotateByDefault = true;
 // The kernels of int8 engine `e` with P.V in `pv`; NotAvailable naming pv_dtype where the engine
 // has no bf16 P.V on this CPU.
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv);

@@ -66,9 +66,14 @@ struct MergeGroup {
   i64 splits;
 };
 
-// SAGE's smoothing per panel group: d floats each of the mean key, the channel balance and the
-// mean query (item_driver.hpp, Smoothing).
-constexpr std::size_t kSmoothFloats = Smoothing::kFloatsPerChannel;
+// What SAGE knows of one panel group's rows before it packs them (Worker::prepare): which of
+// its keys some computed query row of the group can see (empty: all of them; the others are
+// packed as zeros, so that neither their codes' scales nor the statistics see what they hold),
+// and the smoothing (item_driver.hpp, Smoothing) with plan.smooth_k.
+struct GroupStats {
+  std::vector<char> seen;
+  Smoothing::Data smoothing;
+};
 
 struct PaddingRows {
   i64 batch, i0, i1;
@@ -81,6 +86,7 @@ struct PanelGroup {
   std::size_t segment;
   i64 hk, tiles;
   std::size_t offset;
+  i64 spare = 0;  // SAGE: slots after the tiles for the second copies of split tiles
 };
 
 // Consecutive panel groups whose panels fit kPanelBudget together, and the work items that read
@@ -121,7 +127,7 @@ class FlashPlan final : public Plan {
          << " key ranges";
     if (chosen.compute == ComputeDtype::int8)
       os << ", Q and K as int8 per row and key" << (smooth_k ? ", K smoothed" : "")
-         << (balance_qk ? ", channels balanced" : "")
+         << (balance_qk ? ", channels balanced" : "") << (rotate ? ", rotated" : "")
          << (pv_int8 ? ", P.V in 8 bits on " : ", P.V on ")
          << (!kernels.loop.tile_by_tile() ? std::string("bf16 tiles")
                                           : std::string(kernels.engine));
@@ -141,7 +147,9 @@ class FlashPlan final : public Plan {
   // ignores it; the LSE gets it back), docs/semantics.md "SAGE".
   bool smooth_k = false;
   bool balance_qk = false;  // and each channel balanced between Q and K (SmoothQuant)
-  bool pv_int8 = false;     // SAGE's pv_dtype int8
+  bool rotate = false;      // Q and K turned by Rotation (item_driver.hpp) before their codes
+  bool smoothing() const { return smooth_k || rotate; }
+  bool pv_int8 = false;  // SAGE's pv_dtype int8
   RowBlock block{1, 1};
   i64 dv_padded = 0;
   int threads = 1;
@@ -199,18 +207,18 @@ class Worker {
   // `quantized`: K and V (and the joint ones) of `p` are int8/fp8 codes of a dense call with
   // kv_cache_dtype fp8/int8, scaled per (batch, 64-token block, head): {k, v, joint k, joint v}.
   // `partials`: this run's split-KV partial slots (plan.partial_floats floats), if any.
-  // `smoothing`: with plan.smooth_k, per panel group its mean key and its channel balance
-  // (SmoothingFloats: 2 d floats per group).
+  // `stats`: for the int8 engines (SAGE), one per panel group (prepare()).
   Worker(const AttentionProblem& p, const FlashPlan& plan,
          const std::array<const detail::QuantizedKv*, 4>* quantized = nullptr,
-         float* partials = nullptr, unsigned char* panel = nullptr, float* smoothing = nullptr)
+         float* partials = nullptr, unsigned char* panel = nullptr,
+         std::vector<GroupStats>* stats = nullptr)
       : p_(p),
         plan_(plan),
         kk_(plan.kernels),
         quantized_(quantized),
         partials_(partials),
         panel_(panel),
-        smooth_(smoothing) {
+        stats_(stats) {
     // laser_input_scale f: (q / f)(k / f)(scale f^2) = q k scale and (v / f) f = v, exactly
     // for powers of two; in f32 nothing overflows, so the factor cancels out here.
     qscale_ = static_cast<float>(p.softmax_scale);
@@ -237,38 +245,140 @@ class Worker {
     const Scratch s = Scratch::carve(layout, plan_.shape, plan_.ld_k, plan_.ld_v, nullptr);
     convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, plan_.ld_k, ahead);
     convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, plan_.ld_v, ahead);
+    if (stats_ != nullptr && !(*stats_)[g].seen.empty()) {  // keys no query sees: zeros
+      const char* seen = (*stats_)[g].seen.data() + (j0 - seg.k_begin);
+      for (i64 jj = 0; jj < n; ++jj) {
+        if (seen[jj] != 0) continue;
+        std::fill(s.k + jj * plan_.ld_k, s.k + (jj + 1) * plan_.ld_k, 0.0f);
+        std::fill(s.v + jj * plan_.ld_v, s.v + (jj + 1) * plan_.ld_v, 0.0f);
+      }
+    }
     const std::optional<Smoothing> sm = smoothing_of(g);
+    const int split = split_of(g, tile);
+    if (split >= 0) {  // the second copy first, from rows not yet smoothed
+      const Smoothing::Split& sp = (*stats_)[g].smoothing.splits[std::size_t(split)];
+      thread_local std::vector<float> rows;
+      rows.assign(s.k, s.k + n * plan_.ld_k);
+      unsigned char* spare =
+          panel_ + group.offset + std::size_t(group.tiles + split) * plan_.tile_bytes();
+      pack_key_tile(kk_, rows.data(), plan_.ld_k, s.v, plan_.ld_v, n, d, plan_.dv_padded,
+                    plan_.k_tile_bytes, &*sm, sp.second_run, qscale_, spare);
+    }
     pack_key_tile(kk_, s.k, plan_.ld_k, s.v, plan_.ld_v, n, d, plan_.dv_padded, plan_.k_tile_bytes,
-                  sm ? &*sm : nullptr, qscale_, at);
+                  sm ? &*sm : nullptr, sm ? sm->run_of(tile) : 0, qscale_, at);
   }
 
-  // Panel group g's smoothing (plan.smooth_k), computed by smoothing().
+  // Which of panel group g's split tiles `tile` is (its spare slot), or -1.
+  int split_of(std::size_t g, i64 tile) const {
+    if (stats_ == nullptr || !plan_.smooth_k) return -1;
+    const auto& splits = (*stats_)[g].smoothing.splits;
+    for (std::size_t n = 0; n < splits.size(); ++n)
+      if (splits[n].tile == tile) return int(n);
+    return -1;
+  }
+
+  // Panel group g's smoothing (plan.smooth_k), computed by prepare().
   std::optional<Smoothing> smoothing_of(std::size_t g) const {
-    if (smooth_ == nullptr) return std::nullopt;
-    return Smoothing::at(smooth_ + g * kSmoothFloats * std::size_t(p_.d), p_.d);
+    if (stats_ == nullptr || !plan_.smoothing()) return std::nullopt;
+    return (*stats_)[g].smoothing.view(p_.d);
   }
 
-  // SAGE's smoothing of panel group g (item_driver.hpp, Smoothing; docs/semantics.md,
-  // "SAGE") over its segment's keys and the queries of its KV head's query heads.
-  void smoothing(std::size_t g, DriverThread& thread) const {
+  // What SAGE learns of panel group g before its keys are packed (GroupStats): which keys some
+  // query row of the group computes with can see (positions, the key mask, a 4-D mask over the
+  // KV head's query heads), and with plan.smooth_k the smoothing (item_driver.hpp, Smoothing;
+  // docs/semantics.md, "SAGE") over those keys and the rows that are computed (not padding, not
+  // past every key), finite ones only.
+  void prepare(std::size_t g, DriverThread& thread) const {
+    GroupStats& st = (*stats_)[g];
     const PanelGroup& group = plan_.groups[g];
     const Segment& seg = p_.segments[group.segment];
-    const i64 group_heads = p_.group_size(), nq = seg.q_end - seg.q_begin;
-    const auto load_key = [&](i64 j, float* dst) {
-      const auto [t, at, scale] =
-          kv_row(false, group.segment, seg.batch, seg.k_begin + j, group.hk);
-      load_elements(*t, at, p_.d, scale, dst);
-    };
-    const auto load_query = [&](i64 n, float* dst) {  // head by head
-      const i64 h = group.hk * group_heads + n / std::max<i64>(nq, 1);
-      const RowRef qr = p_.q_row(seg.q_begin + n % std::max<i64>(nq, 1));
-      const TensorView& q = *qr.view;
-      load_elements(q, seg.batch * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), p_.d, 1.0f,
-                    dst);
-    };
-    Smoothing::compute(smooth_ + g * kSmoothFloats * std::size_t(p_.d), p_.d, plan_.balance_qk,
-                       seg.k_end - seg.k_begin, load_key, group_heads * nq, load_query,
-                       thread.scratch());
+    const i64 b = seg.batch, nq = seg.q_end - seg.q_begin, nk = seg.k_end - seg.k_begin;
+    const i64 heads = p_.group_size(), h0 = group.hk * heads, d = p_.d;
+    // Each query row's key end (process()'s rule); rows that see no key are not computed.
+    thread_local std::vector<i64> ends;
+    ends.resize(std::size_t(nq));
+    i64 end_all = seg.k_begin;
+    for (i64 i = seg.q_begin; i < seg.q_end; ++i) {
+      const i64 limit = p_.key_position_limit(seg.q_pos0 + (i - seg.q_begin));
+      i64 visible = nk;
+      if (limit != std::numeric_limits<i64>::max())
+        visible = std::clamp<i64>(limit - seg.k_pos0, 0, nk);
+      if (p_.zero_masked_query_rows && !p_.mask.keeps_key(b, i)) visible = 0;
+      ends[std::size_t(i - seg.q_begin)] = seg.k_begin + visible;
+      end_all = std::max(end_all, seg.k_begin + visible);
+    }
+    const MaskView& mask = p_.mask;
+    const bool dense = mask.kind == MaskKind::keep_dense || mask.kind == MaskKind::additive;
+    st.seen.clear();
+    // With a 4-D mask, the query rows (per head) that see some key; the others output zeros.
+    thread_local std::vector<char> row_sees;
+    row_sees.assign(dense ? std::size_t(heads * nq) : 0, 0);
+    if (end_all < seg.k_end || mask.kind != MaskKind::none) {
+      st.seen.assign(std::size_t(nk), 0);
+      if (!dense) {
+        for (i64 j = seg.k_begin; j < end_all; ++j)
+          st.seen[std::size_t(j - seg.k_begin)] = mask.keeps_key(b, j) ? 1 : 0;
+      } else {
+        const TensorView& m = mask.view;
+        for (i64 h = h0; h < h0 + heads; ++h)
+          for (i64 i = seg.q_begin; i < seg.q_end; ++i) {
+            const i64 base = b * m.stride(0) + h * m.stride(1) + i * m.stride(2);
+            char& sees = row_sees[std::size_t((h - h0) * nq + (i - seg.q_begin))];
+            for (i64 j = seg.k_begin; j < ends[std::size_t(i - seg.q_begin)]; ++j) {
+              char& seen = st.seen[std::size_t(j - seg.k_begin)];
+              if (seen != 0 && sees != 0) continue;
+              const i64 at = base + j * m.stride(3);
+              const bool visible = mask.kind == MaskKind::keep_dense
+                                       ? static_cast<const std::uint8_t*>(m.data())[at] != 0
+                                       : load_as_f32(m.data(), m.dtype(), at) != kNegInf;
+              seen = seen != 0 || visible;
+              sees = sees != 0 || visible;
+            }
+          }
+      }
+    }
+    if (!plan_.smooth_k) {
+      if (plan_.rotate) st.smoothing.identity(d, group.tiles);
+      st.smoothing.rotate = plan_.rotate;
+      return;
+    }
+    thread_local Smoothing::Sums sums;
+    sums.reset(d, group.tiles);
+    float* row = thread.scratch();
+    for (i64 j = seg.k_begin; j < seg.k_end; ++j) {
+      if (!st.seen.empty() && st.seen[std::size_t(j - seg.k_begin)] == 0) continue;
+      const auto [t, at, scale] = kv_row(false, group.segment, b, j, group.hk);
+      load_elements(*t, at, d, scale, row);
+      sums.key(row, d, (j - seg.k_begin) / kBlockKeys);
+    }
+    for (i64 h = h0; h < h0 + heads; ++h)
+      for (i64 i = seg.q_begin; i < seg.q_end; ++i) {
+        if (ends[std::size_t(i - seg.q_begin)] == seg.k_begin) continue;
+        if (dense && row_sees[std::size_t((h - h0) * nq + (i - seg.q_begin))] == 0) continue;
+        const RowRef qr = p_.q_row(i);
+        const TensorView& q = *qr.view;
+        load_elements(q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, 1.0f, row);
+        sums.query(row, d);
+      }
+    Smoothing::finish(sums, st.smoothing, d, plan_.balance_qk);
+    st.smoothing.rotate = plan_.rotate;
+    // Tiles holding two populations (item_driver.hpp, Smoothing::split_tiles).
+    thread_local std::vector<float> rows;
+    rows.resize(std::size_t(kBlockKeys * d));
+    Smoothing::split_tiles(
+        st.smoothing, d,
+        [&](i64 tile, float* dst, bool* counts) {
+          const i64 j0 = seg.k_begin + tile * kBlockKeys, n = std::min(kBlockKeys, seg.k_end - j0);
+          for (i64 jj = 0; jj < n; ++jj) {
+            const i64 j = j0 + jj;
+            const auto [t, at, scale] = kv_row(false, group.segment, b, j, group.hk);
+            load_elements(*t, at, d, scale, dst + jj * d);
+            counts[jj] = (st.seen.empty() || st.seen[std::size_t(j - seg.k_begin)] != 0) &&
+                         Smoothing::Sums::finite(dst + jj * d, d);
+          }
+          return int(n);
+        },
+        rows.data());
   }
 
   void process(const WorkItem& w, DriverThread& thread) const {
@@ -316,7 +426,6 @@ class Worker {
     ItemTiles tiles{*this, w, s, b, k_first, kmax, kmin, plan_.groups[w.group]};
     const ItemKeys keys{&ItemTiles::next, &ItemTiles::logits, &tiles};
     attend(kk_, keys, state);
-    end_item(s.item, rows, qscale_, sm ? &*sm : nullptr);
 
     if (w.partial >= 0) {
       float* slot = partials_ + w.partial * plan_.partial_rows * (p_.dv + 2);
@@ -343,12 +452,19 @@ class Worker {
     i64 b, j0, kmax, kmin;
     const PanelGroup& group;
     std::array<KeyTile, kMaxPanelTiles> ring{};  // the engine holds up to panel_tiles of them
+    std::optional<KeyTile> second{};             // a split tile's second copy, next
 
     static const KeyTile* next(void* ctx, int n) {
       auto& t = *static_cast<ItemTiles*>(ctx);
       const Worker& wk = t.worker;
       const FlashPlan& plan = wk.plan_;
       const Segment& seg = wk.p_.segments[t.w.segment];
+      if (t.second) {
+        KeyTile& tile = t.ring[std::size_t(n % wk.kk_.loop.panel_tiles)];
+        tile = *t.second;
+        t.second.reset();
+        return &tile;
+      }
       for (; t.j0 < t.kmax; t.j0 += kBlockKeys) {
         const i64 keys = std::min(kBlockKeys, t.kmax - t.j0);
         if (wk.tile_hidden_by_mask(t.w, t.s, t.b, t.j0, keys)) continue;
@@ -363,6 +479,18 @@ class Worker {
         KeyTile& tile = t.ring[std::size_t(n % wk.kk_.loop.panel_tiles)];
         tile = {at, at + plan.k_tile_bytes, int(keys),
                 t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none, t.j0};
+        const i64 index = (t.j0 - seg.k_begin) / kBlockKeys;
+        if (const int split = wk.split_of(t.w.group, index); split >= 0) {
+          // Two copies, each hiding the other's keys (item_driver.hpp, Smoothing).
+          const std::uint64_t part =
+              (*wk.stats_)[t.w.group].smoothing.splits[std::size_t(split)].second;
+          const std::uint64_t all = keys == 64 ? ~std::uint64_t(0) : (std::uint64_t(1) << keys) - 1;
+          const unsigned char* spare =
+              wk.panel_ + t.group.offset + std::size_t(t.group.tiles + split) * plan.tile_bytes();
+          tile.hook = true;
+          tile.hide = part;
+          t.second = KeyTile{spare, spare + plan.k_tile_bytes, int(keys), true, t.j0, all & ~part};
+        }
         t.j0 += kBlockKeys;
         return &tile;
       }
@@ -371,6 +499,9 @@ class Worker {
     static void logits(void* ctx, const KeyTile& tile, float* st, i64 row_stride, i64 key_stride) {
       auto& t = *static_cast<ItemTiles*>(ctx);
       const i64 rows = (t.w.q1 - t.w.q0) * (t.w.h1 - t.w.h0);
+      for (int jj = 0; jj < tile.keys; ++jj)
+        if ((tile.hide >> jj) & 1)
+          for (i64 r = 0; r < rows; ++r) st[r * row_stride + jj * key_stride] = kNegInf;
       t.worker.hide(t.w, t.s, t.b, tile.j0, tile.keys, rows, tile.j0 + tile.keys > t.kmin, st,
                     row_stride, key_stride);
     }
@@ -538,8 +669,8 @@ class Worker {
   const OutputRows out_{p_, kk_};
   const std::array<const detail::QuantizedKv*, 4>* quantized_;
   float* partials_;
-  unsigned char* panel_;  // this wave's K/V panels
-  float* smooth_;         // SAGE's smoothing (smoothing()), else nullptr
+  unsigned char* panel_;            // this wave's K/V panels
+  std::vector<GroupStats>* stats_;  // SAGE's (prepare()), else nullptr
   float qscale_ = 1;
 };
 
@@ -548,12 +679,13 @@ class FlashImpl final : public Impl {
   // `sage`: the SAGE backend (int8 engines; options pv_dtype and smooth_k).
   FlashImpl(const Backend& backend, const ImplConfig& config, bool sage = false)
       : Impl(backend, config) {
-    cap_ = options_cap(config.backend_kwargs);
+    cap_ = options_cap(config.backend_kwargs, backend.name());
     if (sage) {
       compute_ = ComputeDtype::int8;
       pv_ = parse_pv_dtype(config.backend_kwargs);
       smooth_k_ = parse_bool_option(config.backend_kwargs, "smooth_k");
       balance_qk_ = parse_bool_option(config.backend_kwargs, "balance_qk");
+      rotate_ = parse_bool_option(config.backend_kwargs, "rotate", kRotateByDefault);
       // Checked now, so that a pv_dtype this CPU's engine lacks is refused when the layer is
       // built.
       (void)int8_engine_kernels(select_engine(cap_, DType::F32, compute_), pv_);
@@ -569,6 +701,7 @@ class FlashImpl final : public Impl {
         compute_ == ComputeDtype::int8 ? int8_engine_kernels(engine, pv_) : engine.kernels());
     plan->smooth_k = compute_ == ComputeDtype::int8 && smooth_k_;
     plan->balance_qk = plan->smooth_k && balance_qk_;
+    plan->rotate = compute_ == ComputeDtype::int8 && rotate_;
     plan->pv_int8 = compute_ == ComputeDtype::int8 && pv_ == PvDtype::int8;
     const i64 group = p.group_size();
     plan->block = row_block(group, item_rows(plan->kernels, cpu_features().l2_bytes));
@@ -657,7 +790,8 @@ class FlashImpl final : public Impl {
       std::size_t bytes = 0;
       while (g < plan.groups.size()) {
         PanelGroup& group = plan.groups[g];
-        const std::size_t add = std::size_t(group.tiles) * plan.tile_bytes();
+        group.spare = plan.smooth_k ? std::min<i64>(kMaxSplitTiles, group.tiles) : 0;
+        const std::size_t add = std::size_t(group.tiles + group.spare) * plan.tile_bytes();
         if (g > w.group_begin && bytes + add > kPanelBudget) break;
         group.offset = bytes;
         bytes += add;
@@ -752,21 +886,21 @@ class FlashImpl final : public Impl {
     const auto panel_lease = panel_pool().acquire();
     auto* panel = reinterpret_cast<unsigned char*>(
         panel_lease->get((plan.panel_buffer_bytes + sizeof(float) - 1) / sizeof(float)));
-    std::vector<float> smoothing(
-        plan.smooth_k ? plan.groups.size() * kSmoothFloats * std::size_t(p.d) : 0);
+    const bool sage = plan.chosen.compute == ComputeDtype::int8;
+    std::vector<GroupStats> stats(sage ? plan.groups.size() : 0);
     const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr, panel,
-                        plan.smooth_k ? smoothing.data() : nullptr);
+                        sage ? &stats : nullptr);
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
     const auto count = static_cast<i64>(std::max(plan.items.size(), plan.panel_tiles.size()));
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));
     const auto merges = static_cast<i64>(plan.merges.size());
-    // One fault-guarded region (item_driver.hpp): smoothing, then per wave its panels and its
-    // items, then the merges.
+    // One fault-guarded region (item_driver.hpp): SAGE's statistics, then per wave its panels
+    // and its items, then the merges.
     const auto rows = std::size_t(plan.block.heads * plan.block.rows_per_head);
     run_parallel(threads, plan.scratch_floats, rows, [&](DriverThread& thread) {
-      if (plan.smooth_k)
+      if (sage)
         thread.loop(0, i64(plan.groups.size()), 1,
-                    [&](i64 g) { worker.smoothing(std::size_t(g), thread); });
+                    [&](i64 g) { worker.prepare(std::size_t(g), thread); });
       thread.with_engine(plan.kernels, [&] {
         for (const Wave& wave : plan.waves) {
           thread.loop(wave.tile_begin, wave.tile_end, 4, [&](i64 t) {
@@ -787,6 +921,7 @@ class FlashImpl final : public Impl {
   PvDtype pv_ = PvDtype::automatic;  // SAGE's
   bool smooth_k_ = true;             // SAGE's
   bool balance_qk_ = true;           // SAGE's (with smooth_k)
+  bool rotate_ = kRotateByDefault;   // SAGE's
 };
 
 BackendCapabilities flash_capabilities() {
@@ -818,6 +953,9 @@ class FlashBackend final : public Backend {
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<FlashImpl>(*this, config);
   }
+  std::optional<std::vector<std::string>> option_names() const override {
+    return std::vector<std::string>{"isa", "compute_dtype"};
+  }
 };
 
 // SAGE: FLASH's driver on the 8-bit Q.K^T engines (SageAttention's scheme on the CPU);
@@ -837,6 +975,9 @@ class SageBackend final : public Backend {
            "smoothed, P.V in bf16 or f32, on FLASH's driver (" +
            std::string(int8_engine_kernels(e, PvDtype::automatic).engine) +
            "); approximate, chosen only explicitly";
+  }
+  std::optional<std::vector<std::string>> option_names() const override {
+    return std::vector<std::string>{"isa", "pv_dtype", "smooth_k", "balance_qk", "rotate"};
   }
   int priority() const override { return 5; }
   void validate_configuration() const override { (void)process_cap(); }

@@ -28,12 +28,18 @@
 
 namespace dattn::flash {
 
+// The most runs of key tiles SAGE's smoothing of one key set has, and the most tiles it splits
+// between two runs (Smoothing).
+inline constexpr int kMaxSmoothingRuns = 32;
+inline constexpr int kMaxSplitTiles = 2;
+
 // One work item's scratch (strides padded by kStridePad): QT [d][ld_rows], S^T of one tile for
 // the tile-by-tile engines (engines with their own inner loop keep their logits in their
 // workspace), O [rows_p][ld_o], m, l and alpha per row, a row of max(d, dv) floats, and the
-// engine's workspace (64-byte aligned; null for the f32 engines).
+// engine's workspace (64-byte aligned; null for the f32 engines), and for the engines that take
+// row terms (OperandFormats::set_row_terms) Smoothing::kMaxRuns x rows_p of them.
 struct ItemScratch {
-  float *qt, *st, *o, *m, *l, *alpha, *row;
+  float *qt, *st, *o, *m, *l, *alpha, *row, *terms;
   void* ws;
   std::int64_t ld_rows, ld_o;
 };
@@ -44,6 +50,7 @@ struct ItemShape {
   std::int64_t rows_p = 0, d = 0, dv_padded = 0;
   std::size_t workspace_bytes = 0;
   bool tile_by_tile = true;
+  bool row_terms = false;
 
   static ItemShape of(const TileKernels& kk, std::int64_t rows, std::int64_t d,
                       std::int64_t dv_padded) {
@@ -54,6 +61,7 @@ struct ItemShape {
     if (kk.formats.workspace_bytes != nullptr)
       s.workspace_bytes = kk.formats.workspace_bytes(int(s.rows_p), int(d), int(dv_padded));
     s.tile_by_tile = kk.loop.tile_by_tile();
+    s.row_terms = kk.formats.set_row_terms != nullptr;
     return s;
   }
 
@@ -75,118 +83,391 @@ struct ItemShape {
     s.l = at.take(rows_p);
     s.alpha = at.take(rows_p);
     s.row = at.take(std::max(d, dv_padded));
+    s.terms = row_terms ? at.take(std::int64_t(kMaxSmoothingRuns) * rows_p) : nullptr;
     return s;
   }
 };
 
-// SAGE's smoothing of one key set (FLASH: a segment's keys of one KV head; VIDEO_SPARSE: a batch
-// item's visible keys of one KV head) and the queries that see it (docs/semantics.md, "SAGE"):
-// d floats each of
-// - the mean key mk, subtracted from every key (softmax ignores a shift shared by a row's logits;
-//   the row's reference, hence its LSE, gets q . mk back: restore);
-// - each channel's balance b_e = sqrt(std(q_e) / std(k_e)) with balance_qk (keys multiplied by
-//   b_e, queries divided: the logits are unchanged, the two operands' channels share the int8
-//   range as SmoothQuant shares them), else 1;
-// - the mean query mq, subtracted from every query (SageAttention2's Q smoothing): each key's
-//   exact share mq . (k - mk) is added to its logits in f32 (OperandFormats::set_key_bias).
-// Computed in f64. A key that is not finite turns all three off (the mean would spread it over
-// every key: the rows that see it show it, as unsmoothed), a query that is not finite the
-// balance and the mean query.
-struct Smoothing {
-  static constexpr std::size_t kFloatsPerChannel = 3;
-  const float *mean, *balance, *q_mean;
-  std::int64_t d;
-
-  // The smoothing stored at `at` (kFloatsPerChannel * d floats).
-  static Smoothing at(const float* at, std::int64_t d) { return {at, at + d, at + 2 * d, d}; }
-
-  // The f64 sums a smoothing is computed from: per channel the sum and the sum of squares of
-  // the keys and of the queries, their counts, and whether every element was finite. Sums of
-  // parts of the rows (Sums::add) give the same smoothing as one pass, up to f64 rounding.
-  struct Sums {
-    std::vector<double> k_sum, k_squares, q_sum, q_squares;
-    std::int64_t keys = 0, queries = 0;
-    bool k_finite = true, q_finite = true;
-
-    void reset(std::int64_t d) {
-      for (auto* v : {&k_sum, &k_squares, &q_sum, &q_squares}) v->assign(std::size_t(d), 0.0);
-      keys = queries = 0;
-      k_finite = q_finite = true;
+// The orthogonal map SAGE may turn smoothed queries and keys by (Smoothing's `rotate`): each
+// element times a fixed random sign (a hash of its channel), then a Walsh-Hadamard transform
+// scaled by 1/sqrt(n) on each block of d: d split into powers of two, largest first (72 = 64 +
+// 8, 80 = 64 + 16, 96 = 64 + 32, 40 = 32 + 8; never a padded d). Orthogonal, so q . k is kept
+// up to f32 rounding; d log d additions a row. Each butterfly halves (exactly), the block is
+// scaled by sqrt(n) at the end: no partial sum outgrows the row's largest element, so a row
+// near FLT_MAX whose rotation is finite stays finite.
+struct Rotation {
+  static float sign(std::int64_t e) {
+    return ((std::uint64_t(e + 1) * 0x9E3779B97F4A7C15ull) >> 63) != 0 ? -1.0f : 1.0f;
+  }
+  // Row x[0..d) (contiguous) in place.
+  static void row(float* x, std::int64_t d) {
+    for (std::int64_t e = 0; e < d; ++e) x[e] *= sign(e);
+    for (std::int64_t b0 = 0; b0 < d;) {
+      std::int64_t n = 1;
+      while (n * 2 <= d - b0) n *= 2;
+      float* blk = x + b0;
+      for (std::int64_t h = 1; h < n; h *= 2)
+        for (std::int64_t i = 0; i < n; i += 2 * h)
+          for (std::int64_t j = i; j < i + h; ++j) {
+            const float a = blk[j], b = blk[j + h];
+            blk[j] = (a + b) * 0.5f;
+            blk[j + h] = (a - b) * 0.5f;
+          }
+      const float scale = std::sqrt(float(n));
+      for (std::int64_t j = 0; j < n; ++j) blk[j] *= scale;
+      b0 += n;
     }
-    // One row (d elements) into the key or the query sums.
-    void row(const float* x, std::int64_t d, bool key) {
-      std::vector<double>& sum = key ? k_sum : q_sum;
-      std::vector<double>& squares = key ? k_squares : q_squares;
-      bool finite = true;
+  }
+  // Rows r < rows of QT [d][ld] (each row's elements a column) in place, the same map.
+  static void columns(float* qt, std::int64_t ld, std::int64_t rows, std::int64_t d) {
+    for (std::int64_t e = 0; e < d; ++e) {
+      const float s = sign(e);
+      for (std::int64_t r = 0; r < rows; ++r) qt[e * ld + r] *= s;
+    }
+    for (std::int64_t b0 = 0; b0 < d;) {
+      std::int64_t n = 1;
+      while (n * 2 <= d - b0) n *= 2;
+      float* blk = qt + b0 * ld;
+      for (std::int64_t h = 1; h < n; h *= 2)
+        for (std::int64_t i = 0; i < n; i += 2 * h)
+          for (std::int64_t j = i; j < i + h; ++j) {
+            float* a = blk + j * ld;
+            float* b = blk + (j + h) * ld;
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const float x = a[r], y = b[r];
+              a[r] = (x + y) * 0.5f;
+              b[r] = (x - y) * 0.5f;
+            }
+          }
+      const float scale = std::sqrt(float(n));
+      for (std::int64_t j = 0; j < n; ++j)
+        for (std::int64_t r = 0; r < rows; ++r) blk[j * ld + r] *= scale;
+      b0 += n;
+    }
+  }
+};
+
+// SAGE's smoothing of one key set (FLASH: a segment's keys of one KV head; VIDEO_SPARSE: a batch
+// item's visible keys of one KV head) and the queries that see it (docs/semantics.md, "SAGE"),
+// computed in f64 only from the rows that count: keys some query of the set can see and query
+// rows that are computed (no padding, no key hidden from every query), and of those only the
+// finite ones (a NaN or inf row stays where PyTorch shows it, in the rows that see it):
+// - the mean key of each run of key tiles (tiles whose means lie close together share one: a
+//   run per population, text and image tokens from different projections), subtracted from the
+//   run's keys; every logit of a tile gets its row's exact term qscale * q . mean_run added in
+//   f32 by the engine (OperandFormats::set_row_terms; row_terms below);
+// - each channel's balance b_e = sqrt(std(q_e) / std(k_e)) with balance_qk, the keys' spread
+//   taken within their runs (keys multiplied by b_e, queries divided: the logits are unchanged,
+//   the two operands' channels share the int8 range as SmoothQuant shares them), else 1;
+// - the mean query mq, subtracted from every query (SageAttention2's Q smoothing): each key's
+//   exact share qscale * mq . (k - mean_run) is added to its logits in f32
+//   (OperandFormats::set_key_bias).
+// So logit = codes' dot + row term + key term, each part exact but the first. With `rotate`
+// the smoothed keys and queries are then turned by one orthogonal map (Rotation: random signs,
+// then a Walsh-Hadamard transform per power-of-two block of d), which leaves their dots as they
+// are and spreads an outlier channel over its block, so that it no longer sets the row's
+// scale alone (FlashAttention-3's incoherent processing, QuaRot).
+//
+// A tile where one population ends and the next begins (77 text tokens, then image tokens) is a
+// run of its own whose mean lies between the two; split_tiles() splits its keys in two (2-means)
+// where they are far apart, each part a run of its own: the driver packs the tile twice, once
+// per part, each copy hiding the other part's keys (KeyTile::hide), so every key is centred on
+// its own population's mean at the cost of one more tile per split.
+struct Smoothing {
+  // The most runs of one key set (past it, tiles are merged more coarsely: finish()).
+  static constexpr int kMaxRuns = kMaxSmoothingRuns;
+  const float* balance;          // [d]
+  const float* q_mean;           // [d]
+  const float* means;            // [runs][d]
+  const std::int32_t* tile_run;  // per tile of the key set (nullptr: every tile is run 0)
+  int runs;
+  std::int64_t d;
+  bool rotate = false;
+
+  int run_of(std::int64_t tile) const { return tile_run != nullptr ? tile_run[tile] : 0; }
+
+  // The f64 sums a smoothing is computed from: per key tile the sum of its keys, their count
+  // and the sum of their squared norms; per channel the sum of squares of all keys, the sum and
+  // the sum of squares of the queries, and their count. Rows that are not finite are left out.
+  // Sums of parts of the rows (add) give the same smoothing as one pass, up to f64 rounding.
+  struct Sums {
+    std::vector<double> tile_sum, tile_norms, k_squares, q_sum, q_squares;
+    std::vector<std::int64_t> tile_keys;
+    std::int64_t queries = 0;
+
+    void reset(std::int64_t d, std::int64_t tiles) {
+      tile_sum.assign(std::size_t(d * tiles), 0.0);
+      tile_norms.assign(std::size_t(tiles), 0.0);
+      tile_keys.assign(std::size_t(tiles), 0);
+      for (auto* v : {&k_squares, &q_sum, &q_squares}) v->assign(std::size_t(d), 0.0);
+      queries = 0;
+    }
+    static bool finite(const float* x, std::int64_t d) {
+      float acc = 0.0f;
+      for (std::int64_t e = 0; e < d; ++e) acc += x[e] * 0.0f;  // NaN where one is NaN or inf
+      return acc == 0.0f;
+    }
+    // Key x (d elements) of tile `tile`, if finite.
+    void key(const float* x, std::int64_t d, std::int64_t tile) {
+      if (!finite(x, d)) return;
+      double* sum = tile_sum.data() + tile * d;
+      double norm = 0;
       for (std::int64_t e = 0; e < d; ++e) {
-        finite = finite && std::isfinite(x[e]);
-        sum[std::size_t(e)] += x[e];
-        squares[std::size_t(e)] += double(x[e]) * x[e];
+        const double v = x[e];
+        sum[e] += v;
+        k_squares[std::size_t(e)] += v * v;
+        norm += v * v;
       }
-      (key ? k_finite : q_finite) &= finite;
-      ++(key ? keys : queries);
+      tile_norms[std::size_t(tile)] += norm;
+      ++tile_keys[std::size_t(tile)];
+    }
+    // Query row x (d elements), if finite.
+    void query(const float* x, std::int64_t d) {
+      if (!finite(x, d)) return;
+      for (std::int64_t e = 0; e < d; ++e) {
+        q_sum[std::size_t(e)] += x[e];
+        q_squares[std::size_t(e)] += double(x[e]) * x[e];
+      }
+      ++queries;
     }
     void add(const Sums& o) {
-      for (std::size_t e = 0; e < k_sum.size(); ++e) {
-        k_sum[e] += o.k_sum[e];
+      for (std::size_t n = 0; n < tile_sum.size(); ++n) tile_sum[n] += o.tile_sum[n];
+      for (std::size_t n = 0; n < tile_norms.size(); ++n) {
+        tile_norms[n] += o.tile_norms[n];
+        tile_keys[n] += o.tile_keys[n];
+      }
+      for (std::size_t e = 0; e < k_squares.size(); ++e) {
         k_squares[e] += o.k_squares[e];
         q_sum[e] += o.q_sum[e];
         q_squares[e] += o.q_squares[e];
       }
-      keys += o.keys;
       queries += o.queries;
-      k_finite = k_finite && o.k_finite;
-      q_finite = q_finite && o.q_finite;
     }
   };
 
-  // The smoothing of `sums` into `out` (kFloatsPerChannel * d floats).
-  static void finish(const Sums& sums, float* out, std::int64_t d, bool balance_qk) {
-    float* mean = out;
-    float* balance = out + d;
-    float* q_mean = out + 2 * d;
-    const bool finite = sums.k_finite;
-    const double n = double(std::max<std::int64_t>(sums.keys, 1));
-    for (std::int64_t e = 0; e < d; ++e)
-      mean[e] = finite ? float(sums.k_sum[std::size_t(e)] / n) : 0.0f;
+  // A tile packed twice: its keys whose bit is set in `second` (bit j: key j of the tile) as run
+  // `second_run`, the others as the tile's run.
+  struct Split {
+    std::int64_t tile;
+    std::uint64_t second;
+    int second_run;
+  };
+
+  // A smoothing's storage: balance and mean query, the runs' means, each tile's run, the split
+  // tiles, and the keys' mean within-tile variance (over all channels).
+  struct Data {
+    std::vector<float> floats;  // [d] balance | [d] mean query | [runs][d] means
+    std::vector<std::int32_t> tile_run;
+    std::vector<Split> splits;
+    double within = 0;
+    int runs = 1;
+    bool rotate = false;
+    Smoothing view(std::int64_t d) const {
+      return {floats.data(),
+              floats.data() + d,
+              floats.data() + 2 * d,
+              tile_run.empty() ? nullptr : tile_run.data(),
+              runs,
+              d,
+              rotate};
+    }
+    // No smoothing (means 0, balance 1) over `tiles` tiles: only the rotation, if any.
+    void identity(std::int64_t d, std::int64_t tiles) {
+      floats.assign(std::size_t(3 * d), 0.0f);
+      std::fill(floats.begin(), floats.begin() + d, 1.0f);
+      tile_run.assign(std::size_t(tiles), 0);
+      splits.clear();
+      runs = 1;
+    }
+  };
+
+  // The smoothing of `sums` into `out`. Runs: consecutive tiles join the current run while
+  // their mean lies within a sixteenth of the keys' mean within-tile variance (squared
+  // distance, over all channels) of the run's mean: tiles of one population differ only by
+  // sampling noise (d / 64 for unit keys, against d), populations by their offsets; at most
+  // kMaxRuns, the bound relaxed fourfold until they fit (else equal runs of tiles).
+  static void finish(const Sums& sums, Data& out, std::int64_t d, bool balance_qk) {
+    const std::int64_t tiles = std::int64_t(sums.tile_keys.size());
+    std::int64_t keys = 0;
+    double within = 0;
+    for (std::int64_t t = 0; t < tiles; ++t) {
+      const std::int64_t n = sums.tile_keys[std::size_t(t)];
+      if (n == 0) continue;
+      keys += n;
+      double mean_norm = 0;
+      for (std::int64_t e = 0; e < d; ++e) {
+        const double m = sums.tile_sum[std::size_t(t * d + e)] / double(n);
+        mean_norm += m * m;
+      }
+      within += std::max(sums.tile_norms[std::size_t(t)] - double(n) * mean_norm, 0.0);
+    }
+    within = keys > 0 ? within / double(keys) : 0.0;
+    out.within = within;
+    out.splits.clear();
+    out.tile_run.assign(std::size_t(tiles), 0);
+    thread_local std::vector<double> run_sum;
+    int runs = 0;
+    const auto form_runs = [&](double bound) {
+      runs = 0;
+      run_sum.assign(std::size_t(d), 0.0);
+      std::int64_t run_keys = 0;
+      for (std::int64_t t = 0; t < tiles; ++t) {
+        const std::int64_t n = sums.tile_keys[std::size_t(t)];
+        const double* ts = sums.tile_sum.data() + t * d;
+        if (n > 0 && run_keys > 0) {
+          double dist = 0;
+          for (std::int64_t e = 0; e < d; ++e) {
+            const double diff = ts[e] / double(n) - run_sum[std::size_t(e)] / double(run_keys);
+            dist += diff * diff;
+          }
+          if (!(dist <= bound)) {
+            ++runs;
+            run_keys = 0;
+            std::fill(run_sum.begin(), run_sum.end(), 0.0);
+          }
+        }
+        for (std::int64_t e = 0; e < d; ++e) run_sum[std::size_t(e)] += ts[e];
+        run_keys += n;
+        out.tile_run[std::size_t(t)] = runs;
+      }
+      ++runs;
+    };
+    double bound = within / 16.0;
+    form_runs(bound);
+    for (int attempt = 0; attempt < 8 && runs > kMaxRuns; ++attempt) form_runs(bound *= 4.0);
+    if (runs > kMaxRuns) {  // equal runs of tiles
+      for (std::int64_t t = 0; t < tiles; ++t)
+        out.tile_run[std::size_t(t)] = std::int32_t(t * kMaxRuns / tiles);
+      runs = int(std::min<std::int64_t>(tiles, kMaxRuns));
+    }
+    out.runs = runs;
+    out.floats.assign(std::size_t((2 + runs) * d), 0.0f);
+    float* balance = out.floats.data();
+    float* q_mean = balance + d;
+    float* means = q_mean + d;
+    // The runs' means, and the keys' squares about them per channel (within-run spread).
+    std::vector<double> run_squares(std::size_t(d), 0.0);
+    {
+      std::vector<double> sum(std::size_t(runs) * std::size_t(d), 0.0);
+      std::vector<std::int64_t> count(std::size_t(runs), 0);
+      for (std::int64_t t = 0; t < tiles; ++t) {
+        const std::size_t r = std::size_t(out.tile_run[std::size_t(t)]);
+        count[r] += sums.tile_keys[std::size_t(t)];
+        for (std::int64_t e = 0; e < d; ++e)
+          sum[r * std::size_t(d) + std::size_t(e)] += sums.tile_sum[std::size_t(t * d + e)];
+      }
+      for (std::size_t r = 0; r < std::size_t(runs); ++r) {
+        if (count[r] == 0) continue;
+        for (std::int64_t e = 0; e < d; ++e) {
+          const double m = sum[r * std::size_t(d) + std::size_t(e)] / double(count[r]);
+          means[r * std::size_t(d) + std::size_t(e)] = float(m);
+          run_squares[std::size_t(e)] += double(count[r]) * m * m;
+        }
+      }
+    }
     std::fill(balance, balance + d, 1.0f);
-    std::fill(q_mean, q_mean + d, 0.0f);
-    if (!finite || !sums.q_finite || sums.queries == 0) return;
+    if (sums.queries == 0) return;
     for (std::int64_t e = 0; e < d; ++e) {
       const std::size_t c = std::size_t(e);
-      const double m = sums.k_sum[c] / n, qm = sums.q_sum[c] / double(sums.queries);
+      const double qm = sums.q_sum[c] / double(sums.queries);
       q_mean[e] = float(qm);
-      if (!balance_qk) continue;
-      const double k_var = std::max(sums.k_squares[c] / n - m * m, 0.0);
+      if (!balance_qk || keys == 0) continue;
+      const double k_var = std::max(sums.k_squares[c] - run_squares[c], 0.0) / double(keys);
       const double q_var = std::max(sums.q_squares[c] / double(sums.queries) - qm * qm, 0.0);
       const double b = std::sqrt(std::sqrt(q_var) / std::sqrt(k_var));
       if (std::isfinite(b) && b > 0x1p-20 && b < 0x1p20) balance[e] = float(b);
     }
   }
 
-  // Computes the smoothing into `out` in one pass from `keys` key rows (load_key(j, dst) writes
-  // key j's d elements as f32) and `queries` query rows (load_query(i, dst) likewise); `row` is
-  // scratch of d floats.
-  template <class LoadKey, class LoadQuery>
-  static void compute(float* out, std::int64_t d, bool balance_qk, std::int64_t keys,
-                      LoadKey&& load_key, std::int64_t queries, LoadQuery&& load_query,
-                      float* row) {
-    thread_local Sums sums;
-    sums.reset(d);
-    for (std::int64_t j = 0; j < keys && sums.k_finite; ++j) {
-      load_key(j, row);
-      sums.row(row, d, true);
+  // Splits the tiles that are runs of their own between two runs (at most kMaxSplitTiles, while
+  // runs are left): load(tile, rows, counts) writes the tile's keys as f32 rows [kTileKeys][d]
+  // and whether each counts (seen and finite), and returns how many keys the tile has. The
+  // parts are 2-means clusters of the keys that count (seeded with the key farthest from the
+  // tile's mean and the key farthest from that one), kept where their means lie further apart
+  // than half the keys' within-tile spread (a quarter of the variance): noise is split at a
+  // fraction of that (2.5 sigma^2 against d sigma^2). Keys that do not count stay in the first
+  // part.
+  template <class Load>
+  static void split_tiles(Data& out, std::int64_t d, Load&& load, float* rows) {
+    const std::int64_t tiles = std::int64_t(out.tile_run.size());
+    if (out.runs < 2) return;
+    const auto run = [&](std::int64_t t) { return out.tile_run[std::size_t(t)]; };
+    for (std::int64_t t = 0; t < tiles && int(out.splits.size()) < kMaxSplitTiles; ++t) {
+      if (out.runs >= kMaxSmoothingRuns) return;
+      if ((t > 0 && run(t - 1) == run(t)) || (t + 1 < tiles && run(t + 1) == run(t))) continue;
+      bool counts[kTileKeys];
+      const int n = load(t, rows, counts);
+      std::vector<double> c[2] = {std::vector<double>(std::size_t(d), 0.0),
+                                  std::vector<double>(std::size_t(d), 0.0)};
+      const auto dist = [&](const float* x, const std::vector<double>& y) {
+        double s = 0;
+        for (std::int64_t e = 0; e < d; ++e)
+          s += (x[e] - y[std::size_t(e)]) * (x[e] - y[std::size_t(e)]);
+        return s;
+      };
+      int live = 0;
+      for (int j = 0; j < n; ++j) {
+        if (!counts[j]) continue;
+        ++live;
+        for (std::int64_t e = 0; e < d; ++e) c[0][std::size_t(e)] += rows[j * d + e];
+      }
+      if (live < 2) continue;
+      for (double& x : c[0]) x /= live;
+      const auto farthest = [&](const std::vector<double>& from) {
+        int best = -1;
+        double far = -1;
+        for (int j = 0; j < n; ++j)
+          if (counts[j] && dist(rows + j * d, from) > far) far = dist(rows + j * d, from), best = j;
+        return best;
+      };
+      const int a = farthest(c[0]);
+      for (std::int64_t e = 0; e < d; ++e) c[0][std::size_t(e)] = rows[a * d + e];
+      const int b = farthest(c[0]);
+      for (std::int64_t e = 0; e < d; ++e) c[1][std::size_t(e)] = rows[b * d + e];
+      std::uint64_t second = 0;
+      for (int iteration = 0; iteration < 8; ++iteration) {
+        std::uint64_t next = 0;
+        for (int j = 0; j < n; ++j)
+          if (counts[j] && dist(rows + j * d, c[1]) < dist(rows + j * d, c[0]))
+            next |= std::uint64_t(1) << j;
+        if (iteration > 0 && next == second) break;
+        second = next;
+        int count[2] = {0, 0};
+        for (auto& x : c) std::fill(x.begin(), x.end(), 0.0);
+        for (int j = 0; j < n; ++j) {
+          if (!counts[j]) continue;
+          const int part = (second >> j) & 1;
+          ++count[part];
+          for (std::int64_t e = 0; e < d; ++e) c[part][std::size_t(e)] += rows[j * d + e];
+        }
+        if (count[0] == 0 || count[1] == 0) {
+          second = 0;
+          break;
+        }
+        for (int p = 0; p < 2; ++p)
+          for (double& x : c[p]) x /= count[p];
+      }
+      if (second == 0) continue;
+      double apart = 0;
+      for (std::int64_t e = 0; e < d; ++e)
+        apart += (c[0][std::size_t(e)] - c[1][std::size_t(e)]) *
+                 (c[0][std::size_t(e)] - c[1][std::size_t(e)]);
+      if (!(apart > out.within / 4.0)) continue;
+      const int first = run(t), extra = out.runs++;
+      out.floats.resize(std::size_t((2 + out.runs) * d));
+      float* means = out.floats.data() + 2 * d;
+      for (std::int64_t e = 0; e < d; ++e) {
+        means[first * d + e] = float(c[0][std::size_t(e)]);
+        means[extra * d + e] = float(c[1][std::size_t(e)]);
+      }
+      out.splits.push_back({t, second, extra});
     }
-    for (std::int64_t i = 0; i < queries && sums.k_finite && sums.q_finite; ++i) {
-      load_query(i, row);
-      sums.row(row, d, false);
-    }
-    finish(sums, out, d, balance_qk);
   }
 
-  // n keys k [n][ld] become (k - mean) * balance; bias[j] = qscale * q_mean . (k_j - mean), each
-  // key's share of the mean query in natural units.
-  void keys(float* k, std::int64_t ld, std::int64_t n, float qscale, float* bias) const {
+  // n keys k [n][ld] of run `run` become (k - mean_run) * balance; bias[j] = qscale * q_mean .
+  // (k_j - mean_run), each key's share of the mean query in natural units.
+  void keys(float* k, std::int64_t ld, std::int64_t n, float qscale, float* bias, int run) const {
+    const float* mean = means + run * d;
     for (std::int64_t j = 0; j < n; ++j) {
       double dot = 0;
       for (std::int64_t e = 0; e < d; ++e) {
@@ -195,37 +476,42 @@ struct Smoothing {
         k[j * ld + e] = centred * balance[e];
       }
       bias[j] = float(double(qscale) * dot);
+      if (rotate) Rotation::row(k + j * ld, d);
     }
   }
 
-  // QT [d][ld] (rows r < rows) becomes (q - q_mean) / balance.
+  // The row terms of QT [d][ld] (the queries as they are, before queries()): terms[n * rows_p
+  // + r] = qscale * q_r . mean_n for every run n and row r < rows_p, in f32.
+  void row_terms(const float* qt, std::int64_t ld, std::int64_t rows_p, float qscale,
+                 float* terms) const {
+    for (int n = 0; n < runs; ++n) {
+      float* t = terms + n * rows_p;
+      const float* mean = means + n * d;
+      std::fill(t, t + rows_p, 0.0f);
+      for (std::int64_t e = 0; e < d; ++e) {
+        const float m = mean[e];
+        const float* col = qt + e * ld;
+        for (std::int64_t r = 0; r < rows_p; ++r) t[r] += col[r] * m;
+      }
+      for (std::int64_t r = 0; r < rows_p; ++r) t[r] *= qscale;
+    }
+  }
+
+  // QT [d][ld] (rows r < rows) becomes (q - q_mean) / balance, rotated with `rotate`.
   void queries(float* qt, std::int64_t ld, std::int64_t rows) const {
     for (std::int64_t e = 0; e < d; ++e)
       for (std::int64_t r = 0; r < rows; ++r)
         qt[e * ld + r] = (qt[e * ld + r] - q_mean[e]) / balance[e];
-  }
-
-  // Smoothed keys moved every logit of row r by -qscale q_r . mean: the output is the same, the
-  // row's reference m[r] (hence its LSE) gets it back. qt holds the smoothed queries
-  // ((q - q_mean) / balance), so q . mean = qt . (mean * balance) + q_mean . mean.
-  void restore(const float* qt, std::int64_t ld, std::int64_t rows, float qscale, float* m) const {
-    double shared = 0;
-    for (std::int64_t e = 0; e < d; ++e) shared += double(q_mean[e]) * mean[e];
-    for (std::int64_t r = 0; r < rows; ++r) {
-      if (!std::isfinite(m[r])) continue;
-      double dot = shared;
-      for (std::int64_t e = 0; e < d; ++e)
-        dot += double(qt[e * ld + r]) * (double(mean[e]) * balance[e]);
-      m[r] = float(double(m[r]) + double(qscale) * dot);
-    }
+    if (rotate) Rotation::columns(qt, ld, rows, d);
   }
 };
 
 // Begins a work item of `rows` rows on `kk`: QT [d][ld_rows] from load_query(r, dst, scale)
 // (row r's d elements times `scale`: the softmax scale `qscale` for the f32 engines, 1 for
 // engines with their own formats, which scale the logits after the dot products), padding rows
-// zero, smoothed by `smoothing` when given, packed by the engine's pack_q; O, m and l set to
-// zeros, -inf and zeros. Returns the item's state for the engine's inner loop.
+// zero, smoothed by `smoothing` when given (its row terms to the engine's set_row_terms),
+// packed by the engine's pack_q; O, m and l set to zeros, -inf and zeros. Returns the item's
+// state for the engine's inner loop.
 template <class LoadQuery>
 ItemState begin_item(const TileKernels& kk, const ItemShape& shape, const ItemScratch& s,
                      std::int64_t rows, std::int64_t ld_k, std::int64_t ld_v, float qscale,
@@ -238,9 +524,13 @@ ItemState begin_item(const TileKernels& kk, const ItemShape& shape, const ItemSc
   }
   for (std::int64_t e = 0; e < d; ++e)
     std::fill(s.qt + e * s.ld_rows + rows, s.qt + (e + 1) * s.ld_rows, 0.0f);
+  const bool terms = smoothing != nullptr && s.terms != nullptr;
+  if (terms) smoothing->row_terms(s.qt, s.ld_rows, rows_p, qscale, s.terms);
   if (smoothing != nullptr) smoothing->queries(s.qt, s.ld_rows, rows);
   if (kk.formats.pack_q != nullptr)
     kk.formats.pack_q(s.qt, s.ld_rows, int(rows_p), int(d), int(shape.dv_padded), qscale, s.ws);
+  if (kk.formats.set_row_terms != nullptr)
+    kk.formats.set_row_terms(s.ws, terms ? s.terms : nullptr);
   std::fill(s.m, s.m + rows_p, -std::numeric_limits<float>::infinity());
   std::fill(s.l, s.l + rows_p, 0.0f);
   std::fill(s.o, s.o + rows_p * s.ld_o, 0.0f);
@@ -249,24 +539,19 @@ ItemState begin_item(const TileKernels& kk, const ItemShape& shape, const ItemSc
           ld_k, ld_v,    s.ws};
 }
 
-// Ends a work item begun with `smoothing`: the rows' references get the smoothing's shift back.
-inline void end_item(const ItemScratch& s, std::int64_t rows, float qscale,
-                     const Smoothing* smoothing) {
-  if (smoothing != nullptr) smoothing->restore(s.qt, s.ld_rows, rows, qscale, s.m);
-}
-
 // Packs n keys staged as f32 rows (K [n][ld_k], V [n][ld_v], V's columns past dv zero) into the
 // engine's tile at `at` (K, then V from k_tile_bytes on); with `smoothing` the keys are smoothed
-// first and their shares of the mean query go to the engine's set_key_bias.
+// by the mean of run `run` first, and their shares of the mean query and the run go to the
+// engine's set_key_bias.
 inline void pack_key_tile(const TileKernels& kk, float* k, std::int64_t ld_k, const float* v,
                           std::int64_t ld_v, std::int64_t n, std::int64_t d, std::int64_t dv_padded,
-                          std::size_t k_tile_bytes, const Smoothing* smoothing, float qscale,
-                          unsigned char* at) {
+                          std::size_t k_tile_bytes, const Smoothing* smoothing, int run,
+                          float qscale, unsigned char* at) {
   float bias[kTileKeys];
-  if (smoothing != nullptr) smoothing->keys(k, ld_k, n, qscale, bias);
+  if (smoothing != nullptr) smoothing->keys(k, ld_k, n, qscale, bias, run);
   kk.formats.pack_k(k, ld_k, int(n), int(d), at);
   if (smoothing != nullptr && kk.formats.set_key_bias != nullptr)
-    kk.formats.set_key_bias(at, bias, int(n));
+    kk.formats.set_key_bias(at, bias, int(n), run);
   kk.formats.pack_v(v, ld_v, int(n), int(dv_padded), at + k_tile_bytes);
 }
 

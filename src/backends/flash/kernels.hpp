@@ -60,6 +60,10 @@ struct KeyTile {
   // that holds the gathered chunk, or for engines with their own format the tile's first key
   // position).
   std::int64_t j0;
+  // Keys of the tile the hook hides from every row (bit j: key j), besides what positions and
+  // masks hide: SAGE packs a tile that holds two populations twice (item_driver.hpp, Smoothing),
+  // each copy showing one part. Set only with `hook`.
+  std::uint64_t hide = 0;
 };
 
 // The key tiles of one work item, produced on demand. tile(ctx, n) returns tile n (asked for in
@@ -121,8 +125,14 @@ struct OperandFormats {
   void (*pack_k)(const float* k, std::int64_t ld, int keys, int d, void* tile) = nullptr;
   void (*pack_v)(const float* v, std::int64_t ld, int keys, int dv, void* tile) = nullptr;
   // The int8 engines' per-key logit terms: bias[j] (natural units) added to every logit of key j
-  // of a packed K tile (SAGE's query smoothing); nullptr for the others.
-  void (*set_key_bias)(void* tile, const float* bias, int keys) = nullptr;
+  // of a packed K tile (SAGE's query smoothing), and the tile's run (which of the row terms
+  // below its logits get); nullptr for the others.
+  void (*set_key_bias)(void* tile, const float* bias, int keys, int run) = nullptr;
+  // The int8 engines' per-row logit terms of the work item packed last (after pack_q): every
+  // logit of row r in a tile of run n gets terms[n * rows_p + r] (natural units) added (SAGE's
+  // exact q . mean_key of each run's mean key); the array stays the driver's and must live until
+  // the item ends. nullptr (and pack_q) resets them to zeros, where every run reads zeros.
+  void (*set_row_terms)(void* ws, const float* terms) = nullptr;
 
   bool own() const { return pack_k != nullptr; }
 };

@@ -316,6 +316,9 @@ class ReferenceBackend final : public Backend {
                                        " is an option of FLASH and VIDEO_SPARSE");
     return std::make_unique<ReferenceImpl>(*this, config);
   }
+  std::optional<std::vector<std::string>> option_names() const override {
+    return std::vector<std::string>{};
+  }
 };
 
 }  // namespace

@@ -80,8 +80,10 @@ class SparsePlan final : public Plan {
   // bytes of one K and one V tile.
   ItemShape shape;
   std::size_t k_tile_bytes = 0, v_tile_bytes = 0;
-  // SAGE's smoothing (qk_dtype int8 with smooth_k) per (batch item, KV head), with balance_qk.
-  bool smooth_k = false, balance_qk = false;
+  // SAGE's smoothing (qk_dtype int8 with smooth_k) per (batch item, KV head), with balance_qk,
+  // and its rotation (rotate).
+  bool smooth_k = false, balance_qk = false, rotate = false;
+  bool smoothing() const { return smooth_k || rotate; }
   int threads = 1;
   std::size_t scratch_floats = 0;
 };
@@ -157,7 +159,7 @@ struct Call {
   // rows, the parts' sums, the smoothing (smooth_finish).
   std::vector<i64> visible_keys;
   std::vector<Smoothing::Sums> smooth_parts;
-  std::vector<float> smoothing;
+  Smoothing::Data smoothing;
   std::optional<Smoothing> smoothed;
 
   const TileKernels& kk() const { return plan.kernels; }
@@ -184,12 +186,13 @@ struct Call {
       const i64 n = std::min(kBlockKeys, block.end - j0);
       pack_rows(b, hk, j0, j0 + n, stage_k, stage_v);
       flash::pack_key_tile(kk(), stage_k, plan.ld_k, stage_v, plan.ld_v, n, p.d, plan.dv_padded,
-                           plan.k_tile_bytes, smoothed ? &*smoothed : nullptr, qscale,
+                           plan.k_tile_bytes, smoothed ? &*smoothed : nullptr, 0, qscale,
                            tiles + std::size_t(tile) * tile_bytes);
     }
   }
   // SAGE's smoothing (item_driver.hpp, Smoothing) of KV head hk of batch item b, over its
-  // visible keys and the valid query rows of its query heads, in parts that threads sum at once
+  // visible keys (one run: the selected blocks gather keys from all over the grid) and the
+  // valid query rows of its query heads, finite rows only, in parts that threads sum at once
   // (smooth_part), then added up (smooth_finish). smooth_keys() lists the batch item's visible
   // key rows first.
   void smooth_keys() {
@@ -201,14 +204,14 @@ struct Call {
     const i64 parts = i64(smooth_parts.size()), group = p.group_size(), nq = i64(rows.size());
     const i64 keys = i64(visible_keys.size()), queries = group * nq;
     Smoothing::Sums& sums = smooth_parts[part];
-    sums.reset(p.d);
+    sums.reset(p.d, 1);
     const i64 n = i64(part);
     for (i64 j = keys * n / parts; j < keys * (n + 1) / parts; ++j) {
       const RowRef kr = p.k_row(visible_keys[std::size_t(j)]);
       const TensorView& kt = *kr.view;
       load_elements(kk(), kt, b * kt.stride(0) + kr.row * kt.stride(1) + hk * kt.stride(2), p.d,
                     1.0f, row);
-      sums.row(row, p.d, true);
+      sums.key(row, p.d, 0);
     }
     for (i64 i = queries * n / parts; i < queries * (n + 1) / parts; ++i) {  // head by head
       const i64 h = hk * group + i / nq;
@@ -216,15 +219,18 @@ struct Call {
       const TensorView& q = *qr.view;
       load_elements(kk(), q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), p.d, 1.0f,
                     row);
-      sums.row(row, p.d, false);
+      sums.query(row, p.d);
     }
   }
   void smooth_finish() {
     Smoothing::Sums& total = smooth_parts[0];
     for (std::size_t n = 1; n < smooth_parts.size(); ++n) total.add(smooth_parts[n]);
-    smoothing.resize(Smoothing::kFloatsPerChannel * std::size_t(p.d));
-    Smoothing::finish(total, smoothing.data(), p.d, plan.balance_qk);
-    smoothed = Smoothing::at(smoothing.data(), p.d);
+    if (plan.smooth_k)
+      Smoothing::finish(total, smoothing, p.d, plan.balance_qk);
+    else
+      smoothing.identity(p.d, 1);
+    smoothing.rotate = plan.rotate;
+    smoothed = smoothing.view(p.d);
   }
 
   // Key positions [pos0, pos1) as f32 rows from kd0 / vd0 on (strides ld_k / ld_v).
@@ -379,7 +385,6 @@ struct Call {
       attend_chunks(selected, s, int(nrows), state);
     }
 
-    flash::end_item(s.item, nrows, qscale, sm);
     const bool gated = gate.has_value();
     if (gated) coarse(b, h, it.qblock, s.coarse);
     const flash::OutputRows out(p, kk());
@@ -501,7 +506,7 @@ class VideoSparseImpl final : public Impl {
  public:
   VideoSparseImpl(const Backend& backend, const ImplConfig& config)
       : Impl(backend, config),
-        cap_(flash::options_cap(config.backend_kwargs)),
+        cap_(flash::options_cap(config.backend_kwargs, "VIDEO_SPARSE")),
         compute_(flash::parse_compute_dtype(config.backend_kwargs)) {
     (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
     // qk_dtype int8: the selected blocks on SAGE's engines (8-bit Q.K^T, P.V by pv_dtype, K
@@ -513,6 +518,8 @@ class VideoSparseImpl final : public Impl {
         pv_ = flash::parse_pv_dtype(config.backend_kwargs);
         smooth_k_ = flash::parse_bool_option(config.backend_kwargs, "smooth_k");
         balance_qk_ = flash::parse_bool_option(config.backend_kwargs, "balance_qk");
+        rotate_ =
+            flash::parse_bool_option(config.backend_kwargs, "rotate", flash::kRotateByDefault);
         (void)flash::int8_engine_kernels(
             flash::select_engine(cap_, DType::F32, flash::ComputeDtype::int8), pv_);
       } else if (name == nullptr || !names_equal(*name, "auto")) {
@@ -552,6 +559,7 @@ class VideoSparseImpl final : public Impl {
     }
     plan->smooth_k = compute_ == flash::ComputeDtype::int8 && smooth_k_ && kk.formats.own();
     plan->balance_qk = plan->smooth_k && balance_qk_;
+    plan->rotate = compute_ == flash::ComputeDtype::int8 && rotate_ && kk.formats.own();
     plan->scratch_floats = Tile::floats(plan->shape, plan->ld_k, plan->ld_v,
                                         kk.formats.own() ? 1 : kk.loop.panel_tiles);
     return plan;
@@ -622,7 +630,7 @@ class VideoSparseImpl final : public Impl {
           if (q_ok[std::size_t(t.queries.order()[std::size_t(pos)])]) call.rows.push_back(pos);
       }
       call.block_row0[qblocks.size()] = static_cast<i64>(call.rows.size());
-      if (plan.smooth_k) {
+      if (plan.smoothing()) {
         call.smooth_keys();
         call.smooth_parts.resize(std::size_t(2 * plan.threads));
       }
@@ -632,7 +640,7 @@ class VideoSparseImpl final : public Impl {
         const auto nkb = static_cast<i64>(kblocks.size());
         // One fault-guarded region (item_driver.hpp): the smoothing, this head's K/V, its items.
         flash::run_parallel(plan.threads, plan.scratch_floats, 0, [&](DriverThread& thread) {
-          if (plan.smooth_k) {
+          if (plan.smoothing()) {
             thread.loop(0, i64(call.smooth_parts.size()), 1, [&](i64 part) {
               call.smooth_part(b, hk, std::size_t(part), thread.scratch());
             });
@@ -709,6 +717,7 @@ class VideoSparseImpl final : public Impl {
   flash::ComputeDtype compute_;
   flash::PvDtype pv_ = flash::PvDtype::automatic;
   bool smooth_k_ = true, balance_qk_ = true;  // with qk_dtype int8
+  bool rotate_ = flash::kRotateByDefault;     // with qk_dtype int8
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
   mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call
@@ -739,6 +748,12 @@ class VideoSparseBackend final : public Backend {
   void validate_available() const override { (void)flash::process_cap(); }
   std::unique_ptr<Impl> make_impl(const ImplConfig& config) const override {
     return std::make_unique<VideoSparseImpl>(*this, config);
+  }
+  std::optional<std::vector<std::string>> option_names() const override {
+    return std::vector<std::string>{
+        "selection", "tile",      "window",        "dense_block",  "topk",  "sparsity",
+        "gate",      "block_map", "block_indices", "block_counts", "isa",   "compute_dtype",
+        "qk_dtype",  "pv_dtype",  "smooth_k",      "balance_qk",   "rotate"};
   }
 };
 

@@ -7,15 +7,18 @@
 // Codes and scales are int8_impl.hpp's (quant_of / code_of: per query row and per key,
 // symmetric, the softmax scale folded into the query scales), so the logits equal the other
 // SAGE engines' bit for bit: each 32 x 32 block of int32 dots becomes natural-unit logits
-// fma(float(dot) * qs[row], ks[key], kb[key]), NaN where not finite (D::int8_logits16), before
+// fma(float(dot), qs[row] * ks[key], kb[key] + rt[row]), NaN where not finite (D::int8_logits16; rt
+// the row's term of the tile's run, int8_impl.hpp's "Row terms"), before
 // the hook and the softmax (attend with Int8Operands, amx_impl.hpp). Layouts (a group: four
 // consecutive codes over d, the lowest first; zeros past d; dgp = ceil(d / 4) rounded up to
 // 16, a tile row):
 //   K tile (panel)  int8_impl.hpp's header ([kTileKeys] f32 scales | [kTileKeys] int32 code
-//                   sums | [kTileKeys] f32 key terms, set_key_bias) | [dgp][kTileKeys] groups,
+//                   sums | [kTileKeys] f32 key terms, set_key_bias | the tile's run) |
+//                   [dgp][kTileKeys] groups,
 //                   one column per key (B of S = Q.K^T); codes and scales 0 past the keys
 //   V tile (panel)  the amx engine's bf16 key pairs
-//   workspace: q [rows_p][dgp] groups (A of S), qs [rows_p] query scales, then amx's s and p
+//   workspace: q [rows_p][dgp] groups (A of S), qs [rows_p] query scales, rows_p zeros (the row
+//              terms until set_row_terms), then amx's s and p
 
 inline int int8_groups_padded(int d) {
   return ((d + 3) / 4 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile;
@@ -24,13 +27,15 @@ inline int int8_groups_padded(int d) {
 struct Int8Workspace {
   std::uint32_t *q, *p;
   float *s, *qs;
+  const float* rt;     // the row terms, [runs][rows_p] (set_row_terms), or `zeros`
+  const float* zeros;  // rows_p zeros
   int rows_p, d2p;     // d2p: the groups per row (dgp), the operands' inner dimension
   float scale = 1.0f;  // folded into qs
 };
 
 struct Int8TileSizes {
   std::size_t head, q, qs, s, p;
-  std::size_t total() const { return head + q + qs + s + p; }
+  std::size_t total() const { return head + q + 2 * qs + s + p; }
 };
 inline Int8TileSizes int8_tile_sizes(int rows_p, int d) {
   const std::size_t rp = std::size_t(rows_p);
@@ -68,6 +73,7 @@ inline void int8_tile_pack_k(const float* k, std::int64_t ld, int keys, int d, v
   // Scales, code sums and key terms: tdpbssd multiplies signed by signed bytes, so the sums
   // (the unsigned-by-signed engines' correction) stay 0.
   std::fill(ks, ks + 3 * kTileKeys, 0.0f);
+  *int8_tile_run(tile) = 0;
   std::fill(groups, groups + std::int64_t(dgp) * kTileKeys, 0u);
   for (int j = 0; j < keys; ++j) {
     const float* row = k + j * ld;
@@ -87,6 +93,9 @@ void int8_tile_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int
   std::size_t at = sz.head;
   w->q = reinterpret_cast<std::uint32_t*>(base + at);
   w->qs = reinterpret_cast<float*>(base + (at += sz.q));
+  float* zeros = reinterpret_cast<float*>(base + (at += sz.qs));
+  std::fill(zeros, zeros + rows_p, 0.0f);
+  w->rt = w->zeros = zeros;
   w->s = reinterpret_cast<float*>(base + (at += sz.qs));
   w->p = reinterpret_cast<std::uint32_t*>(base + at + sz.s);
   w->rows_p = rows_p;
@@ -117,6 +126,11 @@ void int8_tile_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int
   }
 }
 
+inline void int8_tile_set_row_terms(void* ws, const float* terms) {
+  auto* w = static_cast<Int8Workspace*>(ws);
+  w->rt = terms != nullptr ? terms : w->zeros;
+}
+
 // The int8 operands of attend (amx_impl.hpp).
 struct Int8Operands {
   using Ws = Int8Workspace;
@@ -127,10 +141,12 @@ struct Int8Operands {
   static void to_logits(const Ws& w, float* block, int r0, const KeyTile& t, int kb) {
     const auto* ks = static_cast<const float*>(t.k) + kb;
     const float* bias = static_cast<const float*>(t.k) + 2 * kTileKeys + kb;
+    const float* rt =
+        (w.rt == w.zeros ? w.zeros : w.rt + std::int64_t(int8_tile_run(t.k)) * w.rows_p) + r0;
     for (int r = 0; r < 32; ++r) {
       float* row = block + std::int64_t(r) * kLdS;
-      D::int8_logits16(row, w.qs[r0 + r], ks, bias, row);
-      D::int8_logits16(row + 16, w.qs[r0 + r], ks + 16, bias + 16, row + 16);
+      D::int8_logits16(row, w.qs[r0 + r], ks, bias, rt[r], row);
+      D::int8_logits16(row + 16, w.qs[r0 + r], ks + 16, bias + 16, rt[r], row + 16);
     }
   }
 };
@@ -165,7 +181,7 @@ constexpr Bf16Functions amx_int8_functions(
   return {&int8_tile_qk<T, D>,
           nullptr,
           {&int8_tile_workspace_bytes, &int8_tile_pack_q<D>, &int8_tile_k_bytes, &v_tile_bytes,
-           &int8_tile_pack_k, &pack_v<D>, &int8_set_key_bias},
+           &int8_tile_pack_k, &pack_v<D>, &int8_set_key_bias, &int8_tile_set_row_terms},
           32,
           &T::begin,
           &T::end,

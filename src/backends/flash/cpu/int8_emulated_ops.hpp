@@ -2,7 +2,8 @@
 // it (int8_impl.hpp's `I`): G = 2 is vpmaddwd + vpaddd (two int16 products summed exactly, then
 // added modulo 2^32), G = 4 is vpdpbusd (four unsigned-by-signed byte products added modulo
 // 2^32). Integers are exact, so a twin's logits equal its real engine's bit for bit; the
-// conversion and the two scale multiplies are the same f32 operations in the same order.
+// conversion, the scales' product and the terms' sum are the same f32 operations in the same
+// order.
 // Include only from an engine file, inside its namespace, after int8_impl.hpp's headers.
 
 template <int Lanes, int Group, bool OffsetQ, int Keys>
@@ -48,10 +49,10 @@ struct EmulatedInt8Ops {
                       o[i] * alpha);
   }
   static void logits(float* st, const ireg& acc, std::int32_t corr, const float* qs, float ks,
-                     float kb) {
+                     float kb, const float* rt) {
     for (int i = 0; i < W; ++i) {
       const auto n = static_cast<std::int32_t>(acc.lane[i] - std::uint32_t(corr));
-      const float x = std::fma(static_cast<float>(n) * qs[i], ks, kb);
+      const float x = std::fma(static_cast<float>(n), qs[i] * ks, kb + rt[i]);
       st[i] = x * 0.0f + x;  // NaN where not finite
     }
   }

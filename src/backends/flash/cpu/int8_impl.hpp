@@ -17,22 +17,32 @@
 // bytes, as vpdpbusd multiplies unsigned by signed bytes; the dot then carries 128 * sum(k),
 // which the key's code sum removes), ireg, zero(), load(p) (W groups), dot(acc, q, k) (for
 // every lane: acc += the G products of the lane's group of q and the group k broadcast),
-// logits(st, acc, corr, qs, ks, kb) (st[i] = fma(float(acc[i] - corr) * qs[i], ks, kb), then
-// NaN where not finite; one fused multiply-add, so that every engine rounds alike).
+// logits(st, acc, corr, qs, ks, kb, rt) (st[i] = fma(float(acc[i] - corr), qs[i] * ks, kb +
+// rt[i]), then NaN where not finite; the same f32 steps on every engine, so that all round alike.
+// The scales are multiplied together before the dot: a logit that is finite in f32 never
+// overflows on the way, however large the query's scale).
 //
 // Layouts (a group is one uint32 of G codes over consecutive elements of d, the lowest first;
 // missing elements are code 0, stored 128 for offset queries):
 //   K tile (panel)  [kTileKeys] f32 scales | [kTileKeys] int32 code sums | [kTileKeys] f32
-//                   logit terms (set_key_bias; 0 from pack_k) | [kTileKeys][dg] groups
+//                   logit terms (set_key_bias; 0 from pack_k) | 64 bytes: the tile's run
+//                   (int32, set_key_bias; 0 from pack_k) | [kTileKeys][dg] groups
 //                   (dg = ceil(d / G))
 //   V tile (panel)  the base engine's (f32 rows of stride dv + kStridePad where it has none)
 //   workspace: header | q [dg][rows_p] groups of QT per row | qs [rows_p] | inverse scales
-//              [rows_p] | the base engine's workspace
+//              [rows_p] | zeros [rows_p] | the base engine's workspace
 // so Q.K^T broadcasts one key group against 2W query rows, like the bf16 engines' pairs.
+//
+// Row terms. Every logit of a tile gets its row's term of the tile's run added in f32
+// (OperandFormats::set_row_terms: SAGE's exact q . mean_key of the run's mean key, which the
+// driver subtracted from the run's keys); the terms are the workspace's zeros until the driver
+// sets them, and a tile's run is 0 until set_key_bias sets it.
 
 struct Int8Header {
   std::uint32_t* q;
   float *qs, *inv;
+  const float* rt;     // the row terms, [runs][rows_p] (set_row_terms), or `zeros`
+  const float* zeros;  // rows_p zeros
   void* base_ws;
   int rows_p, dg;
 };
@@ -48,7 +58,7 @@ constexpr int groups_of(int d) {
 
 struct Int8Sizes {
   std::size_t head, q, qs, base;
-  std::size_t total() const { return head + q + 2 * qs + base; }
+  std::size_t total() const { return head + q + 3 * qs + base; }
 };
 
 template <class I, const TileKernels& (*Base)()>
@@ -119,12 +129,26 @@ std::uint32_t query_group_bits(const int* codes) {
 }
 
 inline std::size_t int8_k_header_bytes() {
-  return std::size_t(kTileKeys) * (2 * sizeof(float) + sizeof(std::int32_t));
+  return std::size_t(kTileKeys) * (2 * sizeof(float) + sizeof(std::int32_t)) + 64;
 }
 
-inline void int8_set_key_bias(void* tile, const float* bias, int keys) {
+// Where a K tile keeps its run (the int32 after the key terms).
+inline std::int32_t* int8_tile_run(void* tile) {
+  return reinterpret_cast<std::int32_t*>(static_cast<float*>(tile) + 3 * kTileKeys);
+}
+inline std::int32_t int8_tile_run(const void* tile) {
+  return *reinterpret_cast<const std::int32_t*>(static_cast<const float*>(tile) + 3 * kTileKeys);
+}
+
+inline void int8_set_key_bias(void* tile, const float* bias, int keys, int run) {
   float* kb = static_cast<float*>(tile) + 2 * kTileKeys;
   std::copy(bias, bias + keys, kb);
+  *int8_tile_run(tile) = run;
+}
+
+inline void int8_set_row_terms(void* ws, const float* terms) {
+  auto* h = static_cast<Int8Header*>(ws);
+  h->rt = terms != nullptr ? terms : h->zeros;
 }
 
 template <class I>
@@ -138,9 +162,11 @@ void int8_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
   auto* ks = static_cast<float*>(tile);
   auto* sums = reinterpret_cast<std::int32_t*>(ks + kTileKeys);
   float* kb = ks + 2 * kTileKeys;
-  auto* groups = reinterpret_cast<std::uint32_t*>(kb + kTileKeys);
+  auto* groups =
+      reinterpret_cast<std::uint32_t*>(static_cast<unsigned char*>(tile) + int8_k_header_bytes());
   const int dg = groups_of<I>(d);
   std::fill(kb, kb + kTileKeys, 0.0f);
+  *int8_tile_run(tile) = 0;
   for (int j = 0; j < keys; ++j) {
     const float* row = k + j * ld;
     const Quant qn = quant_of_row(row, d);
@@ -168,7 +194,10 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   h->q = reinterpret_cast<std::uint32_t*>(base + s.head);
   h->qs = reinterpret_cast<float*>(base + s.head + s.q);
   h->inv = reinterpret_cast<float*>(base + s.head + s.q + s.qs);
-  h->base_ws = s.base > 0 ? base + s.head + s.q + 2 * s.qs : nullptr;
+  h->base_ws = s.base > 0 ? base + s.head + s.q + 3 * s.qs : nullptr;
+  float* zeros = h->inv + s.qs / sizeof(float);
+  std::fill(zeros, zeros + rows_p, 0.0f);
+  h->rt = h->zeros = zeros;
   h->rows_p = rows_p;
   h->dg = groups_of<I>(d);
   const TileKernels& b = Base();
@@ -205,7 +234,7 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
 template <class I, int MK>
 inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int32_t* sums,
                          const float* kb, int dg, const std::uint32_t* q, int rows_p,
-                         const float* qs, float* st, std::int64_t ldst) {
+                         const float* qs, const float* rt, float* st, std::int64_t ldst) {
   using R = typename I::ireg;
   R acc[MK][2];
 #pragma GCC unroll 8
@@ -223,18 +252,18 @@ inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int
 #pragma GCC unroll 8
   for (int m = 0; m < MK; ++m) {
     const std::int32_t corr = I::kOffsetQ ? 128 * sums[m] : 0;
-    I::logits(st + m * ldst, acc[m][0], corr, qs, ks[m], kb[m]);
-    I::logits(st + m * ldst + I::W, acc[m][1], corr, qs + I::W, ks[m], kb[m]);
+    I::logits(st + m * ldst, acc[m][0], corr, qs, ks[m], kb[m], rt);
+    I::logits(st + m * ldst + I::W, acc[m][1], corr, qs + I::W, ks[m], kb[m], rt + I::W);
   }
 }
 
 template <class I, int MK>
 inline void int8_qk_tail(int n, const std::uint32_t* k, const float* ks, const std::int32_t* sums,
                          const float* kb, int dg, const std::uint32_t* q, int rows_p,
-                         const float* qs, float* st, std::int64_t ldst) {
+                         const float* qs, const float* rt, float* st, std::int64_t ldst) {
   if constexpr (MK > 0) {
-    if (n == MK) return int8_qk_keys<I, MK>(k, ks, sums, kb, dg, q, rows_p, qs, st, ldst);
-    int8_qk_tail<I, MK - 1>(n, k, ks, sums, kb, dg, q, rows_p, qs, st, ldst);
+    if (n == MK) return int8_qk_keys<I, MK>(k, ks, sums, kb, dg, q, rows_p, qs, rt, st, ldst);
+    int8_qk_tail<I, MK - 1>(n, k, ks, sums, kb, dg, q, rows_p, qs, rt, st, ldst);
   }
 }
 
@@ -245,18 +274,22 @@ void int8_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std:
   const auto* ks = static_cast<const float*>(k_tile);
   const auto* sums = reinterpret_cast<const std::int32_t*>(ks + kTileKeys);
   const float* kb = ks + 2 * kTileKeys;
-  const auto* k = reinterpret_cast<const std::uint32_t*>(kb + kTileKeys);
+  const auto* k = reinterpret_cast<const std::uint32_t*>(static_cast<const unsigned char*>(k_tile) +
+                                                         int8_k_header_bytes());
+  const float* rt_run =
+      h.rt == h.zeros ? h.zeros : h.rt + std::int64_t(int8_tile_run(k_tile)) * h.rows_p;
   const int dg = h.dg;
   constexpr int kKeys = I::kKeys;
   for (int r0 = 0; r0 < rows_p; r0 += 2 * I::W) {
     const std::uint32_t* q = h.q + r0;
     const float* qs = h.qs + r0;
+    const float* rt = rt_run + r0;
     int j = 0;
     for (; j + kKeys <= keys; j += kKeys)
-      int8_qk_keys<I, kKeys>(k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs,
+      int8_qk_keys<I, kKeys>(k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs, rt,
                              st + j * ldst + r0, ldst);
     int8_qk_tail<I, kKeys - 1>(keys - j, k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs,
-                               st + j * ldst + r0, ldst);
+                               rt, st + j * ldst + r0, ldst);
   }
 }
 
@@ -450,7 +483,8 @@ constexpr Int8Functions int8_functions() {
   return {&int8_qk<I>,
           &int8_pv<Base>,
           {&int8_workspace_bytes<I, Base>, &int8_pack_q<I, Base>, &int8_k_tile_bytes<I>,
-           &int8_v_tile_bytes<Base>, &int8_pack_k<I>, &int8_pack_v<Base>, &int8_set_key_bias},
+           &int8_v_tile_bytes<Base>, &int8_pack_k<I>, &int8_pack_v<Base>, &int8_set_key_bias,
+           &int8_set_row_terms},
           2 * I::W};
 }
 
@@ -461,7 +495,8 @@ constexpr Int8Functions int8pv_functions() {
   return {&int8_qk<I>,
           &int8pv_pv<I>,
           {&int8pv_workspace_bytes<I, Base>, &int8pv_pack_q<I, Base>, &int8_k_tile_bytes<I>,
-           &int8pv_v_tile_bytes<I>, &int8_pack_k<I>, &int8pv_pack_v<I>, &int8_set_key_bias},
+           &int8pv_v_tile_bytes<I>, &int8_pack_k<I>, &int8pv_pack_v<I>, &int8_set_key_bias,
+           &int8_set_row_terms},
           2 * I::W,
           2 * I::W};
 }
