@@ -426,6 +426,7 @@ class Worker {
     ItemTiles tiles{*this, w, s, b, k_first, kmax, kmin, plan_.groups[w.group]};
     const ItemKeys keys{&ItemTiles::next, &ItemTiles::logits, &tiles};
     attend(kk_, keys, state);
+    end_item(s.item, rows, sm ? &*sm : nullptr);
 
     if (w.partial >= 0) {
       float* slot = partials_ + w.partial * plan_.partial_rows * (p_.dv + 2);

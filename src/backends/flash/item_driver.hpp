@@ -92,60 +92,16 @@ struct ItemShape {
 // element times a fixed random sign (a hash of its channel), then a Walsh-Hadamard transform
 // scaled by 1/sqrt(n) on each block of d: d split into powers of two, largest first (72 = 64 +
 // 8, 80 = 64 + 16, 96 = 64 + 32, 40 = 32 + 8; never a padded d). Orthogonal, so q . k is kept
-// up to f32 rounding; d log d additions a row. Each butterfly halves (exactly), the block is
-// scaled by sqrt(n) at the end: no partial sum outgrows the row's largest element, so a row
-// near FLT_MAX whose rotation is finite stays finite.
-struct Rotation {
-  static float sign(std::int64_t e) {
-    return ((std::uint64_t(e + 1) * 0x9E3779B97F4A7C15ull) >> 63) != 0 ? -1.0f : 1.0f;
-  }
-  // Row x[0..d) (contiguous) in place.
-  static void row(float* x, std::int64_t d) {
-    for (std::int64_t e = 0; e < d; ++e) x[e] *= sign(e);
-    for (std::int64_t b0 = 0; b0 < d;) {
-      std::int64_t n = 1;
-      while (n * 2 <= d - b0) n *= 2;
-      float* blk = x + b0;
-      for (std::int64_t h = 1; h < n; h *= 2)
-        for (std::int64_t i = 0; i < n; i += 2 * h)
-          for (std::int64_t j = i; j < i + h; ++j) {
-            const float a = blk[j], b = blk[j + h];
-            blk[j] = (a + b) * 0.5f;
-            blk[j + h] = (a - b) * 0.5f;
-          }
-      const float scale = std::sqrt(float(n));
-      for (std::int64_t j = 0; j < n; ++j) blk[j] *= scale;
-      b0 += n;
-    }
-  }
-  // Rows r < rows of QT [d][ld] (each row's elements a column) in place, the same map.
-  static void columns(float* qt, std::int64_t ld, std::int64_t rows, std::int64_t d) {
-    for (std::int64_t e = 0; e < d; ++e) {
-      const float s = sign(e);
-      for (std::int64_t r = 0; r < rows; ++r) qt[e * ld + r] *= s;
-    }
-    for (std::int64_t b0 = 0; b0 < d;) {
-      std::int64_t n = 1;
-      while (n * 2 <= d - b0) n *= 2;
-      float* blk = qt + b0 * ld;
-      for (std::int64_t h = 1; h < n; h *= 2)
-        for (std::int64_t i = 0; i < n; i += 2 * h)
-          for (std::int64_t j = i; j < i + h; ++j) {
-            float* a = blk + j * ld;
-            float* b = blk + (j + h) * ld;
-            for (std::int64_t r = 0; r < rows; ++r) {
-              const float x = a[r], y = b[r];
-              a[r] = (x + y) * 0.5f;
-              b[r] = (x - y) * 0.5f;
-            }
-          }
-      const float scale = std::sqrt(float(n));
-      for (std::int64_t j = 0; j < n; ++j)
-        for (std::int64_t r = 0; r < rows; ++r) blk[j * ld + r] *= scale;
-      b0 += n;
-    }
-  }
-};
+// up to f32 rounding; d log d additions a row. The block is divided by n first (exactly) and
+// scaled by sqrt(n) with the last butterfly: no partial sum outgrows the row's largest element,
+// so a row near FLT_MAX whose rotation is finite stays finite.
+// In smoothing.cpp (in the widest vectors the CPU has).
+namespace rotation {
+// Rows r < rows of QT [d][ld] (each row's elements a column) in place.
+void columns(float* qt, std::int64_t ld, std::int64_t rows, std::int64_t d);
+// n rows k [n][ld] (n <= kTileKeys) in place, element for element as columns().
+void rows(float* k, std::int64_t ld, std::int64_t n, std::int64_t d);
+}  // namespace rotation
 
 // SAGE's smoothing of one key set (FLASH: a segment's keys of one KV head; VIDEO_SPARSE: a batch
 // item's visible keys of one KV head) and the queries that see it (docs/semantics.md, "SAGE"),
@@ -154,8 +110,10 @@ struct Rotation {
 // finite ones (a NaN or inf row stays where PyTorch shows it, in the rows that see it):
 // - the mean key of each run of key tiles (tiles whose means lie close together share one: a
 //   run per population, text and image tokens from different projections), subtracted from the
-//   run's keys; every logit of a tile gets its row's exact term qscale * q . mean_run added in
-//   f32 by the engine (OperandFormats::set_row_terms; row_terms below);
+//   run's keys; every logit of a tile of run n >= 1 gets its row's exact term qscale * q .
+//   (mean_n - mean_0) added in f32 by the engine (OperandFormats::set_row_terms; row_terms
+//   below), and the row's reference (hence its LSE) gets qscale * q . mean_0 back at the end of
+//   the item (end_item): one run, the common case, costs the engines nothing;
 // - each channel's balance b_e = sqrt(std(q_e) / std(k_e)) with balance_qk, the keys' spread
 //   taken within their runs (keys multiplied by b_e, queries divided: the logits are unchanged,
 //   the two operands' channels share the int8 range as SmoothQuant shares them), else 1;
@@ -202,34 +160,12 @@ struct Smoothing {
       for (auto* v : {&k_squares, &q_sum, &q_squares}) v->assign(std::size_t(d), 0.0);
       queries = 0;
     }
-    static bool finite(const float* x, std::int64_t d) {
-      float acc = 0.0f;
-      for (std::int64_t e = 0; e < d; ++e) acc += x[e] * 0.0f;  // NaN where one is NaN or inf
-      return acc == 0.0f;
-    }
+    // Whether all d elements are finite (smoothing.cpp, as the three below).
+    static bool finite(const float* x, std::int64_t d);
     // Key x (d elements) of tile `tile`, if finite.
-    void key(const float* x, std::int64_t d, std::int64_t tile) {
-      if (!finite(x, d)) return;
-      double* sum = tile_sum.data() + tile * d;
-      double norm = 0;
-      for (std::int64_t e = 0; e < d; ++e) {
-        const double v = x[e];
-        sum[e] += v;
-        k_squares[std::size_t(e)] += v * v;
-        norm += v * v;
-      }
-      tile_norms[std::size_t(tile)] += norm;
-      ++tile_keys[std::size_t(tile)];
-    }
+    void key(const float* x, std::int64_t d, std::int64_t tile);
     // Query row x (d elements), if finite.
-    void query(const float* x, std::int64_t d) {
-      if (!finite(x, d)) return;
-      for (std::int64_t e = 0; e < d; ++e) {
-        q_sum[std::size_t(e)] += x[e];
-        q_squares[std::size_t(e)] += double(x[e]) * x[e];
-      }
-      ++queries;
-    }
+    void query(const float* x, std::int64_t d);
     void add(const Sums& o) {
       for (std::size_t n = 0; n < tile_sum.size(); ++n) tile_sum[n] += o.tile_sum[n];
       for (std::size_t n = 0; n < tile_norms.size(); ++n) {
@@ -464,46 +400,20 @@ struct Smoothing {
     }
   }
 
-  // n keys k [n][ld] of run `run` become (k - mean_run) * balance; bias[j] = qscale * q_mean .
-  // (k_j - mean_run), each key's share of the mean query in natural units.
-  void keys(float* k, std::int64_t ld, std::int64_t n, float qscale, float* bias, int run) const {
-    const float* mean = means + run * d;
-    for (std::int64_t j = 0; j < n; ++j) {
-      double dot = 0;
-      for (std::int64_t e = 0; e < d; ++e) {
-        const float centred = k[j * ld + e] - mean[e];
-        dot += double(q_mean[e]) * centred;
-        k[j * ld + e] = centred * balance[e];
-      }
-      bias[j] = float(double(qscale) * dot);
-      if (rotate) Rotation::row(k + j * ld, d);
-    }
-  }
+  // n keys k [n][ld] of run `run` become (k - mean_run) * balance, rotated with `rotate`;
+  // bias[j] = qscale * q_mean . (k_j - mean_run), each key's share of the mean query in natural
+  // units (smoothing.cpp).
+  void keys(float* k, std::int64_t ld, std::int64_t n, float qscale, float* bias, int run) const;
 
-  // The row terms of QT [d][ld] (the queries as they are, before queries()): terms[n * rows_p
-  // + r] = qscale * q_r . mean_n for every run n and row r < rows_p, in f32.
+  // The row terms of QT [d][ld] (the queries as they are, before queries()), in f32, for rows
+  // r < rows_p: terms[r] = qscale * q_r . mean_0 (what end_item restores) and terms[n * rows_p
+  // + r] = qscale * q_r . (mean_n - mean_0) for every run n >= 1 (smoothing.cpp).
   void row_terms(const float* qt, std::int64_t ld, std::int64_t rows_p, float qscale,
-                 float* terms) const {
-    for (int n = 0; n < runs; ++n) {
-      float* t = terms + n * rows_p;
-      const float* mean = means + n * d;
-      std::fill(t, t + rows_p, 0.0f);
-      for (std::int64_t e = 0; e < d; ++e) {
-        const float m = mean[e];
-        const float* col = qt + e * ld;
-        for (std::int64_t r = 0; r < rows_p; ++r) t[r] += col[r] * m;
-      }
-      for (std::int64_t r = 0; r < rows_p; ++r) t[r] *= qscale;
-    }
-  }
+                 float* terms) const;
 
-  // QT [d][ld] (rows r < rows) becomes (q - q_mean) / balance, rotated with `rotate`.
-  void queries(float* qt, std::int64_t ld, std::int64_t rows) const {
-    for (std::int64_t e = 0; e < d; ++e)
-      for (std::int64_t r = 0; r < rows; ++r)
-        qt[e * ld + r] = (qt[e * ld + r] - q_mean[e]) / balance[e];
-    if (rotate) Rotation::columns(qt, ld, rows, d);
-  }
+  // QT [d][ld] (rows r < rows) becomes (q - q_mean) * (1 / balance), rotated with `rotate`
+  // (smoothing.cpp).
+  void queries(float* qt, std::int64_t ld, std::int64_t rows) const;
 };
 
 // Begins a work item of `rows` rows on `kk`: QT [d][ld_rows] from load_query(r, dst, scale)
@@ -537,6 +447,14 @@ ItemState begin_item(const TileKernels& kk, const ItemShape& shape, const ItemSc
   return {s.qt, s.st,    s.ld_rows, s.o,         s.ld_o, s.m,
           s.l,  s.alpha, int(rows), int(rows_p), int(d), int(shape.dv_padded),
           ld_k, ld_v,    s.ws};
+}
+
+// Ends a work item begun with `smoothing`: the rows' references get run 0's terms back (the
+// shift the smoothed keys took from every logit of the row).
+inline void end_item(const ItemScratch& s, std::int64_t rows, const Smoothing* smoothing) {
+  if (smoothing == nullptr || s.terms == nullptr) return;
+  for (std::int64_t r = 0; r < rows; ++r)
+    if (std::isfinite(s.m[r])) s.m[r] += s.terms[r];
 }
 
 // Packs n keys staged as f32 rows (K [n][ld_k], V [n][ld_v], V's columns past dv zero) into the

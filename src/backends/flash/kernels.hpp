@@ -129,9 +129,10 @@ struct OperandFormats {
   // below its logits get); nullptr for the others.
   void (*set_key_bias)(void* tile, const float* bias, int keys, int run) = nullptr;
   // The int8 engines' per-row logit terms of the work item packed last (after pack_q): every
-  // logit of row r in a tile of run n gets terms[n * rows_p + r] (natural units) added (SAGE's
-  // exact q . mean_key of each run's mean key); the array stays the driver's and must live until
-  // the item ends. nullptr (and pack_q) resets them to zeros, where every run reads zeros.
+  // logit of row r in a tile of run n >= 1 gets terms[n * rows_p + r] (natural units) added
+  // (SAGE's exact q . (mean_n - mean_0)); tiles of run 0 get none (terms[0..rows_p) are the
+  // driver's). The array stays the driver's and must live until the item ends. nullptr (and
+  // pack_q) resets them: no tile gets a term.
   void (*set_row_terms)(void* ws, const float* terms) = nullptr;
 
   bool own() const { return pack_k != nullptr; }

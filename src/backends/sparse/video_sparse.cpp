@@ -384,6 +384,7 @@ struct Call {
     } else {
       attend_chunks(selected, s, int(nrows), state);
     }
+    flash::end_item(s.item, nrows, sm);
 
     const bool gated = gate.has_value();
     if (gated) coarse(b, h, it.qblock, s.coarse);

@@ -141,12 +141,20 @@ struct Int8Operands {
   static void to_logits(const Ws& w, float* block, int r0, const KeyTile& t, int kb) {
     const auto* ks = static_cast<const float*>(t.k) + kb;
     const float* bias = static_cast<const float*>(t.k) + 2 * kTileKeys + kb;
-    const float* rt =
-        (w.rt == w.zeros ? w.zeros : w.rt + std::int64_t(int8_tile_run(t.k)) * w.rows_p) + r0;
+    const int run = int8_tile_run(t.k);
+    if (w.rt == w.zeros || run == 0) {  // no row terms (int8_impl.hpp, "Row terms")
+      for (int r = 0; r < 32; ++r) {
+        float* row = block + std::int64_t(r) * kLdS;
+        D::int8_logits16(row, w.qs[r0 + r], ks, bias, nullptr, row);
+        D::int8_logits16(row + 16, w.qs[r0 + r], ks + 16, bias + 16, nullptr, row + 16);
+      }
+      return;
+    }
+    const float* rt = w.rt + std::int64_t(run) * w.rows_p + r0;
     for (int r = 0; r < 32; ++r) {
       float* row = block + std::int64_t(r) * kLdS;
-      D::int8_logits16(row, w.qs[r0 + r], ks, bias, rt[r], row);
-      D::int8_logits16(row + 16, w.qs[r0 + r], ks + 16, bias + 16, rt[r], row + 16);
+      D::int8_logits16(row, w.qs[r0 + r], ks, bias, rt + r, row);
+      D::int8_logits16(row + 16, w.qs[r0 + r], ks + 16, bias + 16, rt + r, row + 16);
     }
   }
 };

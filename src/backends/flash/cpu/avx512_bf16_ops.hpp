@@ -12,13 +12,15 @@ struct Avx512Bf16Ops {
   static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg not_finite_to_nan(reg a) { return _mm512_fmadd_ps(a, _mm512_setzero_ps(), a); }
-  // amx_int8's logits of 16 keys of one row: out[j] = fma(float(c[j]), qs * ks[j], kb[j] + rt),
-  // NaN where not finite (int8_impl.hpp's formula); c holds int32 dot products (a tile's bytes).
-  static void int8_logits16(const void* c, float qs, const float* ks, const float* kb, float rt,
-                            float* out) {
+  // amx_int8's logits of 16 keys of one row: out[j] = fma(float(c[j]), qs * ks[j], kb[j] + *rt)
+  // (kb[j] alone with rt null), NaN where not finite (int8_impl.hpp's formula); c holds int32
+  // dot products (a tile's bytes).
+  static void int8_logits16(const void* c, float qs, const float* ks, const float* kb,
+                            const float* rt, float* out) {
     const __m512 x = _mm512_cvtepi32_ps(_mm512_loadu_si512(c));
     const __m512 t = _mm512_mul_ps(_mm512_set1_ps(qs), _mm512_loadu_ps(ks));
-    const __m512 b = _mm512_add_ps(_mm512_loadu_ps(kb), _mm512_set1_ps(rt));
+    const __m512 b = rt != nullptr ? _mm512_add_ps(_mm512_loadu_ps(kb), _mm512_set1_ps(*rt))
+                                   : _mm512_loadu_ps(kb);
     store(out, not_finite_to_nan(_mm512_fmadd_ps(x, t, b)));
   }
   static reg dot(reg acc, const std::uint32_t* pairs, std::uint32_t b) {

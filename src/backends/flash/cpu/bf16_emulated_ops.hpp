@@ -35,12 +35,13 @@ struct EmulatedBf16Ops {
     return r;
   }
   // amx_int8's logits of 16 keys of one row (avx512_bf16_ops.hpp's int8_logits16).
-  static void int8_logits16(const void* c, float qs, const float* ks, const float* kb, float rt,
-                            float* out) {
+  static void int8_logits16(const void* c, float qs, const float* ks, const float* kb,
+                            const float* rt, float* out) {
     std::int32_t v[W];
     std::memcpy(v, c, sizeof(v));
     for (int i = 0; i < W; ++i) {
-      const float x = std::fma(static_cast<float>(v[i]), qs * ks[i], kb[i] + rt);
+      const float x =
+          std::fma(static_cast<float>(v[i]), qs * ks[i], rt != nullptr ? kb[i] + *rt : kb[i]);
       out[i] = std::fma(x, 0.0f, x);
     }
   }

@@ -52,7 +52,7 @@ struct EmulatedInt8Ops {
                      float kb, const float* rt) {
     for (int i = 0; i < W; ++i) {
       const auto n = static_cast<std::int32_t>(acc.lane[i] - std::uint32_t(corr));
-      const float x = std::fma(static_cast<float>(n), qs[i] * ks, kb + rt[i]);
+      const float x = std::fma(static_cast<float>(n), qs[i] * ks, rt != nullptr ? kb + rt[i] : kb);
       st[i] = x * 0.0f + x;  // NaN where not finite
     }
   }

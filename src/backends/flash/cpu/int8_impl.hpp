@@ -18,7 +18,8 @@
 // which the key's code sum removes), ireg, zero(), load(p) (W groups), dot(acc, q, k) (for
 // every lane: acc += the G products of the lane's group of q and the group k broadcast),
 // logits(st, acc, corr, qs, ks, kb, rt) (st[i] = fma(float(acc[i] - corr), qs[i] * ks, kb +
-// rt[i]), then NaN where not finite; the same f32 steps on every engine, so that all round alike.
+// rt[i]), or with rt null fma(float(acc[i] - corr), qs[i] * ks, kb), then NaN where not
+// finite; the same f32 steps on every engine, so that all round alike.
 // The scales are multiplied together before the dot: a logit that is finite in f32 never
 // overflows on the way, however large the query's scale).
 //
@@ -33,10 +34,11 @@
 //              [rows_p] | zeros [rows_p] | the base engine's workspace
 // so Q.K^T broadcasts one key group against 2W query rows, like the bf16 engines' pairs.
 //
-// Row terms. Every logit of a tile gets its row's term of the tile's run added in f32
-// (OperandFormats::set_row_terms: SAGE's exact q . mean_key of the run's mean key, which the
-// driver subtracted from the run's keys); the terms are the workspace's zeros until the driver
-// sets them, and a tile's run is 0 until set_key_bias sets it.
+// Row terms. Every logit of a tile of run n >= 1 gets its row's term of that run added in f32
+// (OperandFormats::set_row_terms: SAGE's exact q . (mean_n - mean_0), the driver having
+// subtracted each run's mean from its keys and restoring run 0's q . mean_0 in the row's
+// reference); tiles of run 0 (every tile of a one-run key set) add none. No terms until the
+// driver sets them, and a tile's run is 0 until set_key_bias sets it.
 
 struct Int8Header {
   std::uint32_t* q;
@@ -253,7 +255,8 @@ inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int
   for (int m = 0; m < MK; ++m) {
     const std::int32_t corr = I::kOffsetQ ? 128 * sums[m] : 0;
     I::logits(st + m * ldst, acc[m][0], corr, qs, ks[m], kb[m], rt);
-    I::logits(st + m * ldst + I::W, acc[m][1], corr, qs + I::W, ks[m], kb[m], rt + I::W);
+    I::logits(st + m * ldst + I::W, acc[m][1], corr, qs + I::W, ks[m], kb[m],
+              rt != nullptr ? rt + I::W : nullptr);
   }
 }
 
@@ -276,14 +279,14 @@ void int8_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std:
   const float* kb = ks + 2 * kTileKeys;
   const auto* k = reinterpret_cast<const std::uint32_t*>(static_cast<const unsigned char*>(k_tile) +
                                                          int8_k_header_bytes());
-  const float* rt_run =
-      h.rt == h.zeros ? h.zeros : h.rt + std::int64_t(int8_tile_run(k_tile)) * h.rows_p;
+  const int run = int8_tile_run(k_tile);
+  const float* rt_run = h.rt == h.zeros || run == 0 ? nullptr : h.rt + std::int64_t(run) * h.rows_p;
   const int dg = h.dg;
   constexpr int kKeys = I::kKeys;
   for (int r0 = 0; r0 < rows_p; r0 += 2 * I::W) {
     const std::uint32_t* q = h.q + r0;
     const float* qs = h.qs + r0;
-    const float* rt = rt_run + r0;
+    const float* rt = rt_run != nullptr ? rt_run + r0 : nullptr;
     int j = 0;
     for (; j + kKeys <= keys; j += kKeys)
       int8_qk_keys<I, kKeys>(k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs, rt,

@@ -68,8 +68,9 @@ struct Avx2Lanes {
   static void logits(float* st, ireg acc, std::int32_t corr, const float* qs, float ks, float kb,
                      const float* rt) {
     __m256 x = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(corr)));
-    x = _mm256_fmadd_ps(x, _mm256_mul_ps(_mm256_loadu_ps(qs), _mm256_set1_ps(ks)),
-                        _mm256_add_ps(_mm256_set1_ps(kb), _mm256_loadu_ps(rt)));
+    const __m256 b =
+        rt != nullptr ? _mm256_add_ps(_mm256_set1_ps(kb), _mm256_loadu_ps(rt)) : _mm256_set1_ps(kb);
+    x = _mm256_fmadd_ps(x, _mm256_mul_ps(_mm256_loadu_ps(qs), _mm256_set1_ps(ks)), b);
     _mm256_storeu_ps(st, _mm256_add_ps(_mm256_mul_ps(x, _mm256_setzero_ps()), x));
   }
 };

@@ -85,8 +85,9 @@ struct Avx512Vnni {
   static void logits(float* st, ireg acc, std::int32_t corr, const float* qs, float ks, float kb,
                      const float* rt) {
     __m512 x = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(corr)));
-    x = _mm512_fmadd_ps(x, _mm512_mul_ps(_mm512_loadu_ps(qs), _mm512_set1_ps(ks)),
-                        _mm512_add_ps(_mm512_set1_ps(kb), _mm512_loadu_ps(rt)));
+    const __m512 b =
+        rt != nullptr ? _mm512_add_ps(_mm512_set1_ps(kb), _mm512_loadu_ps(rt)) : _mm512_set1_ps(kb);
+    x = _mm512_fmadd_ps(x, _mm512_mul_ps(_mm512_loadu_ps(qs), _mm512_set1_ps(ks)), b);
     _mm512_storeu_ps(st, _mm512_add_ps(_mm512_mul_ps(x, _mm512_setzero_ps()), x));
   }
 };
