@@ -102,8 +102,8 @@ void terms_of_run(const float* qt, i64 ld, i64 rows_p, const float* mean, float 
 // Key j's bias and its centred, balanced elements: bias = qscale * sum_e q_mean[e] (k[e] -
 // mean[e]) in f64, in order; k = (k - mean) * balance.
 DATTN_VECTOR_CLONES
-void smooth_key_rows(const float* mean, const float* balance, const float* q_mean, float* k,
-                     i64 ld, i64 n, float qscale, float* bias, i64 d) {
+void smooth_key_rows(const float* mean, const float* balance, const float* q_mean, float* k, i64 ld,
+                     i64 n, float qscale, float* bias, i64 d) {
   for (i64 j = 0; j < n; ++j) {
     float* row = k + j * ld;
     double dot = 0;
