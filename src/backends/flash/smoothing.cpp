@@ -100,18 +100,27 @@ void terms_of_run(const float* qt, i64 ld, i64 rows_p, const float* mean, float 
 }
 
 // Key j's bias and its centred, balanced elements: bias = qscale * sum_e q_mean[e] (k[e] -
-// mean[e]) in f64, in order; k = (k - mean) * balance.
+// mean[e]) in f64 (eight partial sums added in a fixed order); k = (k - mean) * balance.
 DATTN_VECTOR_CLONES
 void smooth_key_rows(const float* mean, const float* balance, const float* q_mean, float* k, i64 ld,
                      i64 n, float qscale, float* bias, i64 d) {
   for (i64 j = 0; j < n; ++j) {
     float* row = k + j * ld;
-    double dot = 0;
-    for (i64 e = 0; e < d; ++e) {
+    double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    i64 e = 0;
+    for (; e + 8 <= d; e += 8)
+      for (int t = 0; t < 8; ++t) {
+        const float centred = row[e + t] - mean[e + t];
+        part[t] += double(q_mean[e + t]) * double(centred);
+        row[e + t] = centred * balance[e + t];
+      }
+    for (; e < d; ++e) {
       const float centred = row[e] - mean[e];
-      dot += double(q_mean[e]) * double(centred);
+      part[0] += double(q_mean[e]) * double(centred);
       row[e] = centred * balance[e];
     }
+    const double dot =
+        ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     bias[j] = float(double(qscale) * dot);
   }
 }
@@ -145,6 +154,24 @@ double add_row(const float* x, i64 d, double* sum, double* squares) {
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
+// dst [cols][ldd] = src [rows][lds] transposed, in 8 x 8 blocks (the compiler keeps a block in
+// registers).
+DATTN_VECTOR_CLONES
+void transpose(const float* src, i64 lds, float* dst, i64 ldd, i64 rows, i64 cols) {
+  constexpr i64 kB = 8;
+  for (i64 r0 = 0; r0 < rows; r0 += kB)
+    for (i64 c0 = 0; c0 < cols; c0 += kB) {
+      const i64 r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
+      if (r1 - r0 == kB && c1 - c0 == kB) {
+        for (i64 c = 0; c < kB; ++c)
+          for (i64 r = 0; r < kB; ++r) dst[(c0 + c) * ldd + r0 + r] = src[(r0 + r) * lds + c0 + c];
+      } else {
+        for (i64 c = c0; c < c1; ++c)
+          for (i64 r = r0; r < r1; ++r) dst[c * ldd + r] = src[r * lds + c];
+      }
+    }
+}
+
 }  // namespace
 
 bool Smoothing::Sums::finite(const float* x, std::int64_t d) {
@@ -173,11 +200,9 @@ void rows(float* k, std::int64_t ld, std::int64_t n, std::int64_t d) {
   // Through the columns' layout (the butterflies then run across keys in vectors).
   thread_local std::vector<float> t;
   t.resize(std::size_t(d * kTileKeys));
-  for (i64 j = 0; j < n; ++j)
-    for (i64 e = 0; e < d; ++e) t[std::size_t(e * kTileKeys + j)] = k[j * ld + e];
+  transpose(k, ld, t.data(), kTileKeys, n, d);
   columns_in_chunks(t.data(), kTileKeys, n, d, nullptr, nullptr, true);
-  for (i64 j = 0; j < n; ++j)
-    for (i64 e = 0; e < d; ++e) k[j * ld + e] = t[std::size_t(e * kTileKeys + j)];
+  transpose(t.data(), kTileKeys, k, ld, d, n);
 }
 
 }  // namespace rotation
