@@ -227,7 +227,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     world = args.ring * args.ulysses
     if args.rank is not None:  # one rank of a run main() started
         run_rank(args.rank, world, args.init, args, args.out)
-        return {}
+        # Without the interpreter's finalization: a gloo worker thread may still be dropping a
+        # finished collective's work (whose tensors hold Python objects) then, and its taking the
+        # GIL during finalization aborts the process ("terminate called without an active
+        # exception"; PyTorch's race, docs/python.md).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.json")
         if world == 1:
