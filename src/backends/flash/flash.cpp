@@ -147,7 +147,7 @@ class FlashPlan final : public Plan {
   // ignores it; the LSE gets it back), docs/semantics.md "SAGE".
   bool smooth_k = false;
   bool balance_qk = false;  // and each channel balanced between Q and K (SmoothQuant)
-  bool rotate = false;      // Q and K turned by Rotation (item_driver.hpp) before their codes
+  bool rotate = false;      // Q and K turned by rotation:: (item_driver.hpp) before their codes
   bool smoothing() const { return smooth_k || rotate; }
   bool pv_int8 = false;  // SAGE's pv_dtype int8
   RowBlock block{1, 1};

@@ -37,7 +37,7 @@ inline constexpr int kMaxSplitTiles = 2;
 // the tile-by-tile engines (engines with their own inner loop keep their logits in their
 // workspace), O [rows_p][ld_o], m, l and alpha per row, a row of max(d, dv) floats, and the
 // engine's workspace (64-byte aligned; null for the f32 engines), and for the engines that take
-// row terms (OperandFormats::set_row_terms) Smoothing::kMaxRuns x rows_p of them.
+// row terms (OperandFormats::set_row_terms) kMaxSmoothingRuns x rows_p of them.
 struct ItemScratch {
   float *qt, *st, *o, *m, *l, *alpha, *row, *terms;
   void* ws;
@@ -121,10 +121,10 @@ void rows(float* k, std::int64_t ld, std::int64_t n, std::int64_t d);
 //   exact share qscale * mq . (k - mean_run) is added to its logits in f32
 //   (OperandFormats::set_key_bias).
 // So logit = codes' dot + row term + key term, each part exact but the first. With `rotate`
-// the smoothed keys and queries are then turned by one orthogonal map (Rotation: random signs,
-// then a Walsh-Hadamard transform per power-of-two block of d), which leaves their dots as they
-// are and spreads an outlier channel over its block, so that it no longer sets the row's
-// scale alone (FlashAttention-3's incoherent processing, QuaRot).
+// the smoothed keys and queries are then turned by one orthogonal map (rotation::, smoothing.cpp:
+// random signs, then a Walsh-Hadamard transform per power-of-two block of d), which leaves their
+// dots as they are and spreads an outlier channel over its block, so that it no longer sets the
+// row's scale alone (FlashAttention-3's incoherent processing, QuaRot).
 //
 // A tile where one population ends and the next begins (77 text tokens, then image tokens) is a
 // run of its own whose mean lies between the two; split_tiles() splits its keys in two (2-means)
@@ -132,8 +132,6 @@ void rows(float* k, std::int64_t ld, std::int64_t n, std::int64_t d);
 // per part, each copy hiding the other part's keys (KeyTile::hide), so every key is centred on
 // its own population's mean at the cost of one more tile per split.
 struct Smoothing {
-  // The most runs of one key set (past it, tiles are merged more coarsely: finish()).
-  static constexpr int kMaxRuns = kMaxSmoothingRuns;
   const float* balance;          // [d]
   const float* q_mean;           // [d]
   const float* means;            // [runs][d]
@@ -221,7 +219,7 @@ struct Smoothing {
   // their mean lies within a sixteenth of the keys' mean within-tile variance (squared
   // distance, over all channels) of the run's mean: tiles of one population differ only by
   // sampling noise (d / 64 for unit keys, against d), populations by their offsets; at most
-  // kMaxRuns, the bound relaxed fourfold until they fit (else equal runs of tiles).
+  // kMaxSmoothingRuns, the bound relaxed fourfold until they fit (else equal runs of tiles).
   static void finish(const Sums& sums, Data& out, std::int64_t d, bool balance_qk) {
     const std::int64_t tiles = std::int64_t(sums.tile_keys.size());
     std::int64_t keys = 0;
@@ -270,11 +268,12 @@ struct Smoothing {
     };
     double bound = within / 16.0;
     form_runs(bound);
-    for (int attempt = 0; attempt < 8 && runs > kMaxRuns; ++attempt) form_runs(bound *= 4.0);
-    if (runs > kMaxRuns) {  // equal runs of tiles
+    for (int attempt = 0; attempt < 8 && runs > kMaxSmoothingRuns; ++attempt)
+      form_runs(bound *= 4.0);
+    if (runs > kMaxSmoothingRuns) {  // equal runs of tiles
       for (std::int64_t t = 0; t < tiles; ++t)
-        out.tile_run[std::size_t(t)] = std::int32_t(t * kMaxRuns / tiles);
-      runs = int(std::min<std::int64_t>(tiles, kMaxRuns));
+        out.tile_run[std::size_t(t)] = std::int32_t(t * kMaxSmoothingRuns / tiles);
+      runs = int(std::min<std::int64_t>(tiles, kMaxSmoothingRuns));
     }
     out.runs = runs;
     out.floats.assign(std::size_t((2 + runs) * d), 0.0f);
