@@ -10,6 +10,8 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "backends/flash/engines.hpp"
 #include "backends/flash/kernels.hpp"
@@ -273,6 +275,53 @@ TEST(Flash, SplitKvMatchesReference) {
     EXPECT_FALSE(d.nan);
     EXPECT_LE(d.normwise_rel, 1e-5);
     EXPECT_LE(testing::compare(got.lse->view(), want.lse->view()).max_abs, 1e-4);
+  }
+  omp_set_num_threads(saved);
+}
+
+// An answer does not depend on the thread count: the split-KV cut (and every other choice of the
+// plan) is the problem's, so 1, 2 and 3 threads give the same bits on FLASH and on SAGE with
+// each P.V (whose 8- and 16-bit P are rounded against the online softmax's reference, which a
+// cut moves), for short queries against long keys (split) and a long self-attention (not).
+TEST(Flash, AnswersDoNotDependOnTheThreadCount) {
+  const int saved = omp_get_max_threads();
+  struct Case {
+    i64 sq, skv, hq, hkv;
+  };
+  for (const Case& c : {Case{5, 2000, 1, 1}, Case{16, 4096, 2, 1}, Case{300, 300, 2, 2}}) {
+    SCOPED_TRACE("Sq " + std::to_string(c.sq) + " Skv " + std::to_string(c.skv));
+    const auto q = testing::random_tensor({1, c.sq, c.hq, 64}, DType::F32, 11),
+               k = testing::random_tensor({1, c.skv, c.hkv, 64}, DType::F32, 12),
+               v = testing::random_tensor({1, c.skv, c.hkv, 64}, DType::F32, 13);
+    std::vector<std::pair<std::string, AttentionConfig>> configs{
+        {"FLASH", flash_config(c.hq, c.hkv, 64, false)}};
+    for (const char* pv : {"auto", "bf16", "f32", "int8"}) {
+      AttentionConfig sc = testing::layer_config("SAGE", c.hq, c.hkv, 64, false);
+      sc.backend_options["pv_dtype"] = std::string(pv);
+      configs.emplace_back(std::string("SAGE pv_dtype=") + pv, sc);
+    }
+    for (const auto& [name, config] : configs) {
+      SCOPED_TRACE(name);
+      std::optional<Attention> layer;
+      try {
+        layer.emplace(config);
+      } catch (const NotAvailable&) {
+        continue;  // a pv_dtype this CPU's engine lacks
+      }
+      std::vector<std::vector<double>> outs;
+      for (const int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        const auto r = layer->forward(q.view(), k.view(), v.view(), {}, true);
+        std::vector<double> o = testing::to_vector(r.out.view());
+        const std::vector<double> lse = testing::to_vector(r.lse->view());
+        o.insert(o.end(), lse.begin(), lse.end());
+        outs.push_back(std::move(o));
+      }
+      omp_set_num_threads(saved);
+      for (std::size_t t = 1; t < outs.size(); ++t)
+        for (std::size_t n = 0; n < outs[0].size(); ++n)
+          ASSERT_EQ(outs[t][n], outs[0][n]) << "threads " << t + 1 << " element " << n;
+    }
   }
   omp_set_num_threads(saved);
 }

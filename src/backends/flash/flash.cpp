@@ -1,8 +1,8 @@
 // FLASH: tiled online-softmax attention (the FlashAttention-2 algorithm) on the CPU.
 //
 // plan(): splits the problem's segments into work items (a block of query rows x the heads of
-// one GQA group, which share K/V tiles), splits key ranges when there are fewer items than
-// threads, and sizes the per-thread scratch.
+// one GQA group, which share K/V tiles), splits key ranges when there are few items (a cut
+// that depends on the problem, never on the thread count), and sizes the per-thread scratch.
 // run(): all threads pack a wave's K/V panels (once per call, in the engine's format), then take
 // its work items; each packs its Q rows once (transposed; pre-scaled by the softmax scale for
 // the f32 engines) and hands the engine's inner loop (kernels.hpp, the contract) the key tiles
@@ -157,7 +157,7 @@ class FlashPlan final : public Plan {
   std::vector<PaddingRows> padding;
   ItemShape shape;  // every work item's scratch (item_driver.hpp)
   std::size_t scratch_floats = 0;
-  // Split-KV, when there are fewer query blocks than threads: partial results of
+  // Split-KV, when there are fewer than kSplitUnits query blocks: partial results of
   // `partial_rows` rows x (dv + 2) floats per slot (`partial_floats` in all), merged by groups.
   // Each run leases its own partials from the pool, so concurrent runs of one plan neither
   // share nor wait for them.
@@ -722,14 +722,17 @@ class FlashImpl final : public Impl {
                                    h0, std::min((hk + 1) * group, h0 + plan->block.heads)});
       }
     }
-    // Split-KV: with fewer query blocks than threads, each block's key range is cut into up
-    // to `threads` ranges of whole tiles, run in parallel and merged.
-    if (plan->threads > 1 && static_cast<i64>(plan->items.size()) < plan->threads) {
+    // Split-KV: with fewer than kSplitUnits query blocks, each block's key range is cut into
+    // ranges of whole tiles, run in parallel and merged in range order.
+    // The cut depends on the problem only, never on the thread count: the online softmax's
+    // reference (and so, on a 16- or 8-bit P.V, the rounding of P) is the same for 1 thread as
+    // for 64, and the answer bit for bit the same.
+    if (const i64 blocks = static_cast<i64>(plan->items.size()); blocks < kSplitUnits) {
       std::vector<WorkItem> split;
       for (const WorkItem& w : plan->items) {
         const Segment& seg = p.segments[w.segment];
         const i64 tiles = (seg.k_end - seg.k_begin + kBlockKeys - 1) / kBlockKeys;
-        const i64 splits = std::min<i64>(plan->threads, tiles);
+        const i64 splits = std::min<i64>((kSplitUnits + blocks - 1) / blocks, tiles);
         if (splits <= 1) {
           split.push_back(w);
           continue;

@@ -12,6 +12,11 @@ namespace dattn::flash {
 // need converting, K and V) at 224 KiB for D = Dv = 128, inside a 512 KiB L2.
 inline constexpr std::int64_t kBlockKeys = kTileKeys;
 
+// Split-KV: a call with fewer query blocks than this has its key ranges cut until it has about
+// this many work items (flash.cpp's plan). A constant, not the thread count, so that the answer
+// does not depend on how many threads computed it; 16 keeps 16 threads busy on one query block.
+inline constexpr std::int64_t kSplitUnits = 16;
+
 struct RowBlock {
   std::int64_t heads;  // query heads of the group per work item
   std::int64_t rows_per_head;
