@@ -645,8 +645,8 @@ class DattnAttentionBackend(_BackendBase):
 
 class DattnSageAttentionImpl(DattnAttentionImpl):
     """The engine's ``SAGE_ATTN`` / ``SAGE_ATTN_3`` on dattn's platform: a layer on dattn's SAGE
-    backend (8-bit Q.K^T with K smoothing, P.V in bf16, f32 or int8; docs/semantics.md, "SAGE"),
-    unless ``backend_kwargs["backend"]`` names another dattn backend; SAGE's options
+    backend (8-bit Q.K^T with K smoothing, P.V in int16, bf16, f32 or int8; docs/semantics.md,
+    "SAGE"), unless ``backend_kwargs["backend"]`` names another dattn backend; SAGE's options
     (``pv_dtype``, ``smooth_k``, ``balance_qk``, ``isa``) in ``backend_kwargs``."""
 
     def __init__(self, num_heads: int, head_size: int, softmax_scale: Optional[float],

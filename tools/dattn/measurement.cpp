@@ -264,10 +264,11 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
       ->check(CLI::IsMember({"f32", "bf16"}));
   command
       .add_option("--pv-dtype", options.pv_dtype,
-                  "SAGE backend option pv_dtype: auto (the default: bf16 where the engine has a "
-                  "bf16 P.V, else f32), bf16, f32, or int8 (P and V as 8-bit codes: faster, less "
-                  "accurate); the other backends ignore it")
-      ->check(CLI::IsMember({"auto", "bf16", "f32", "int8"}));
+                  "SAGE backend option pv_dtype: auto (the default: int16 on avx512_vnni, bf16 "
+                  "tiles on amx_int8, else f32), bf16, f32, int16 (12- and 13-bit codes in "
+                  "16-bit integer lanes: more accurate than bf16), or int8 (P and V as 8-bit "
+                  "codes: fastest, least accurate); the other backends ignore it")
+      ->check(CLI::IsMember({"auto", "bf16", "f32", "int16", "int8"}));
   std::string engines;
   for (const EngineInfo& e : flash_engines()) engines += (engines.empty() ? "" : ", ") + e.name;
   command
@@ -442,7 +443,7 @@ void check_engine_options(const Measurement& m, const std::string& backend) {
   if (sage && !isa)
     throw InvalidArgument("compute_dtype",
                           "--compute-dtype applies to FLASH and VIDEO_SPARSE; SAGE computes Q.K^T "
-                          "in int8 and P.V in its engine's bf16 or f32 (backend option pv_dtype)");
+                          "in int8 and P.V as its backend option pv_dtype says");
   if (!backend.empty() && !names_equal(backend, "auto") && !names_equal(backend, "FLASH") &&
       !names_equal(backend, "VIDEO_SPARSE") && !sage)
     throw InvalidArgument(isa ? "isa" : "compute_dtype",

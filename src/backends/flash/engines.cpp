@@ -238,12 +238,15 @@ PvDtype parse_pv_dtype(const BackendOptions& options) {
   if (name != nullptr && (names_equal(*name, "bf16") || names_equal(*name, "bfloat16")))
     return PvDtype::bf16;
   if (name != nullptr && names_equal(*name, "int8")) return PvDtype::int8;
+  if (name != nullptr && names_equal(*name, "int16")) return PvDtype::int16;
   throw InvalidArgument("pv_dtype",
                         "backend option pv_dtype = " +
                             (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
-                            " is not valid; valid: auto (the default: bf16 where the engine has "
-                            "a bf16 P.V on this CPU, else f32), bf16, f32, int8 (P and V as 8-bit "
-                            "codes: faster, less accurate)");
+                            " is not valid; valid: auto (the default: int16 on avx512_vnni, bf16 "
+                            "tiles on amx_int8, f32 on the 256-bit and portable engines), bf16, "
+                            "f32, int16 (P and V as 12- and 13-bit codes in 16-bit integer lanes: "
+                            "more accurate than bf16), int8 (P and V as 8-bit codes: fastest, "
+                            "least accurate)");
 }
 
 bool parse_bool_option(const BackendOptions& options, const std::string& name, bool default_value) {
@@ -254,11 +257,34 @@ bool parse_bool_option(const BackendOptions& options, const std::string& name, b
                                   (default_value ? "true" : "false") + ")");
 }
 
+PvDtype automatic_pv_dtype(const Engine& e) {
+  if (e.kernels == &avx512_vnni_kernels || e.kernels == &avx512_vnni_emulated_kernels)
+    return PvDtype::int16;
+  return PvDtype::automatic;
+}
+
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {
   const bool vnni512 = e.kernels == &avx512_vnni_kernels;
   const bool vnni512_twin = e.kernels == &avx512_vnni_emulated_kernels;
   const bool amx = e.kernels == &amx_int8_kernels;
   const bool amx_twin = e.kernels == &amx_int8_emulated_kernels;
+  if (pv == PvDtype::automatic) pv = automatic_pv_dtype(e);
+  if (pv == PvDtype::int16) {
+    // amx_int8's P.V is on bf16 tiles: a 16-bit integer P.V is avx512_vnni's (reported so).
+    const std::pair<const TileKernels& (*)(), const TileKernels& (*)()> pv16[] = {
+        {&portable_int8_kernels, &portable_int8_pv16_kernels},
+        {&avx2_int8_kernels, &avx2_int8_pv16_kernels},
+        {&avx2_int8_emulated_kernels, &avx2_int8_emulated_pv16_kernels},
+        {&avx_vnni_kernels, &avx_vnni_pv16_kernels},
+        {&avx_vnni_emulated_kernels, &avx_vnni_emulated_pv16_kernels},
+        {&avx512_vnni_kernels, &avx512_vnni_pv16_kernels},
+        {&avx512_vnni_emulated_kernels, &avx512_vnni_emulated_pv16_kernels},
+        {&amx_int8_kernels, &avx512_vnni_pv16_kernels},
+        {&amx_int8_emulated_kernels, &avx512_vnni_emulated_pv16_kernels}};
+    for (const auto& [engine, kernels] : pv16)
+      if (e.kernels == engine) return kernels();
+    return e.kernels();
+  }
   if (pv == PvDtype::int8) {
     // amx_int8's P.V is on bf16 tiles: an 8-bit P.V is avx512_vnni's (the engine then reported).
     const std::pair<const TileKernels& (*)(), const TileKernels& (*)()> pv8[] = {

@@ -77,11 +77,12 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options);
 // compute int8 (SAGE): the highest-ranked available int8 engine at or below the cap.
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute);
 
-// What a SAGE engine computes P.V in (backend option pv_dtype): auto (bf16 where the engine has
-// a bf16 base on this CPU, else f32), bf16, f32, int8 (P and V as 8-bit codes on the engine's
-// integer dot: faster, less accurate; amx_int8 then runs avx512_vnni's). InvalidArgument naming
-// pv_dtype otherwise.
-enum class PvDtype { automatic, bf16, f32, int8 };
+// What a SAGE engine computes P.V in (backend option pv_dtype): auto (automatic_pv_dtype), bf16,
+// f32, int16 (P codes 0..4095 and V codes -4095..4095 as int16 pairs on the engine's 16-bit
+// integer dot: more accurate than bf16), int8 (P and V as 8-bit codes on the engine's integer
+// dot: faster, less accurate); amx_int8 runs avx512_vnni's for f32, int16 and int8.
+// InvalidArgument naming pv_dtype otherwise.
+enum class PvDtype { automatic, bf16, f32, int8, int16 };
 PvDtype parse_pv_dtype(const BackendOptions& options);
 // A bool backend option (SAGE's smooth_k, balance_qk): true when absent; InvalidArgument naming
 // it when not a bool.
@@ -90,6 +91,12 @@ bool parse_bool_option(const BackendOptions& options, const std::string& name,
 // SAGE's option `rotate` when it is not given (docs/semantics.md, "SAGE": chosen by
 // measurement).
 inline constexpr bool kRotateByDefault = true;
+// What pv_dtype auto is on engine e, chosen by measurement (docs/semantics.md, "SAGE"): int16 on
+// avx512_vnni and its twin (vpdpwssd: on an Intel Xeon with AVX512-BF16, flux-1024 f32 419
+// GFLOP/s against 367 with f32 P.V and 251 with bf16); otherwise `automatic` itself, the engine's
+// own kernels: bf16 tiles on amx_int8, f32 on avx2_int8, avx_vnni and portable_int8 (int16 there
+// measured even with f32: 185 against 192, 246 against 233 GFLOP/s).
+PvDtype automatic_pv_dtype(const Engine& e);
 // The kernels of int8 engine `e` with P.V in `pv`; NotAvailable naming pv_dtype where the engine
 // has no bf16 P.V on this CPU.
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv);

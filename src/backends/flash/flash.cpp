@@ -128,7 +128,9 @@ class FlashPlan final : public Plan {
     if (chosen.compute == ComputeDtype::int8)
       os << ", Q and K as int8 per row and key" << (smooth_k ? ", K smoothed" : "")
          << (balance_qk ? ", channels balanced" : "") << (rotate ? ", rotated" : "")
-         << (pv_int8 ? ", P.V in 8 bits on " : ", P.V on ")
+         << (pv_int_bits == 8    ? ", P.V in 8 bits on "
+             : pv_int_bits == 16 ? ", P.V in 16-bit integers on "
+                                 : ", P.V on ")
          << (!kernels.loop.tile_by_tile() ? std::string("bf16 tiles")
                                           : std::string(kernels.engine));
     return os.str();
@@ -149,7 +151,7 @@ class FlashPlan final : public Plan {
   bool balance_qk = false;  // and each channel balanced between Q and K (SmoothQuant)
   bool rotate = false;      // Q and K turned by rotation:: (item_driver.hpp) before their codes
   bool smoothing() const { return smooth_k || rotate; }
-  bool pv_int8 = false;  // SAGE's pv_dtype int8
+  int pv_int_bits = 0;  // SAGE's P.V in integers (pv_dtype int8 / int16 or auto's choice): 8 / 16
   RowBlock block{1, 1};
   i64 dv_padded = 0;
   int threads = 1;
@@ -703,7 +705,10 @@ class FlashImpl final : public Impl {
     plan->smooth_k = compute_ == ComputeDtype::int8 && smooth_k_;
     plan->balance_qk = plan->smooth_k && balance_qk_;
     plan->rotate = compute_ == ComputeDtype::int8 && rotate_;
-    plan->pv_int8 = compute_ == ComputeDtype::int8 && pv_ == PvDtype::int8;
+    if (compute_ == ComputeDtype::int8) {
+      const PvDtype pv = pv_ == PvDtype::automatic ? automatic_pv_dtype(engine) : pv_;
+      plan->pv_int_bits = pv == PvDtype::int8 ? 8 : pv == PvDtype::int16 ? 16 : 0;
+    }
     const i64 group = p.group_size();
     plan->block = row_block(group, item_rows(plan->kernels, cpu_features().l2_bytes));
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), plan->kernels.col_align);

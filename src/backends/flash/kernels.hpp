@@ -315,6 +315,15 @@ const TileKernels& avx_vnni_pv8_kernels();
 const TileKernels& avx_vnni_emulated_pv8_kernels();
 const TileKernels& avx512_vnni_pv8_kernels();
 const TileKernels& avx512_vnni_emulated_pv8_kernels();
+// And with P.V in 16-bit integer lanes (pv_dtype int16: P codes 0..4095, V codes -4095..4095 as
+// int16 pairs; vpmaddwd on AVX2, vpdpwssd on AVX-VNNI and AVX512-VNNI).
+const TileKernels& portable_int8_pv16_kernels();
+const TileKernels& avx2_int8_pv16_kernels();
+const TileKernels& avx2_int8_emulated_pv16_kernels();
+const TileKernels& avx_vnni_pv16_kernels();
+const TileKernels& avx_vnni_emulated_pv16_kernels();
+const TileKernels& avx512_vnni_pv16_kernels();
+const TileKernels& avx512_vnni_emulated_pv16_kernels();
 // AMX tiles (tdpbf16ps: bf16 pair products accumulated in f32), and the twin that emulates the
 // tile registers and instructions in portable C++ (the same layouts, blocking and order).
 const TileKernels& amx_kernels();

@@ -43,6 +43,15 @@ struct EmulatedInt8Ops {
     for (int i = 0; i < W; ++i) acc.lane[i] += group_dot(p, v.lane[i]);
     return acc;
   }
+  // P.V in int16 pairs (pv_dtype int16: vpmaddwd + vpaddd, vpdpwssd), whatever G the Q.K^T dot
+  // takes.
+  static ireg dot_pv16(ireg acc, const ireg& v, std::uint32_t p) {
+    const auto lo = [](std::uint32_t x) { return std::int32_t(std::int16_t(x & 0xffffu)); };
+    const auto hi = [](std::uint32_t x) { return std::int32_t(std::int16_t(x >> 16)); };
+    for (int i = 0; i < W; ++i)
+      acc.lane[i] += std::uint32_t(lo(p) * lo(v.lane[i]) + hi(p) * hi(v.lane[i]));
+    return acc;
+  }
   static void accumulate(float* o, const ireg& acc, float alpha, float ps, const float* vs) {
     for (int i = 0; i < W; ++i)
       o[i] = std::fma(static_cast<float>(static_cast<std::int32_t>(acc.lane[i])), ps * vs[i],

@@ -107,16 +107,21 @@ inline int code_of(float x, float inv) {
   return static_cast<int>(std::clamp(c, -127.0f, 127.0f));
 }
 
-template <class I>
-std::uint32_t group_bits(const int* codes) {
+// G signed codes as one 32-bit group (int16 pairs for G = 2, bytes for G = 4).
+template <int G>
+std::uint32_t group_bits_of(const int* codes) {
   std::uint32_t g = 0;
-  for (int t = 0; t < I::G; ++t) {
+  for (int t = 0; t < G; ++t) {
     const int c = codes[t];
-    const std::uint32_t bits = I::G == 2 ? std::uint32_t(std::uint16_t(std::int16_t(c)))
-                                         : std::uint32_t(std::uint8_t(std::int8_t(c)));
-    g |= bits << (t * (32 / I::G));
+    const std::uint32_t bits = G == 2 ? std::uint32_t(std::uint16_t(std::int16_t(c)))
+                                      : std::uint32_t(std::uint8_t(std::int8_t(c)));
+    g |= bits << (t * (32 / G));
   }
   return g;
+}
+template <class I>
+std::uint32_t group_bits(const int* codes) {
+  return group_bits_of<I::G>(codes);
 }
 
 template <class I>
@@ -318,33 +323,56 @@ void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) 
   std::copy(v, v + std::int64_t(keys) * ld, static_cast<float*>(tile));
 }
 
-// P.V in 8 bits (pv_dtype int8): P as unsigned codes per (row, tile), V as signed codes per
-// (tile, column), the same integer dot as Q.K^T (I::dot_pv), f32 accumulation across tiles.
-//   V tile   [dv] f32 column scales (max over the tile's keys of |v| / 127; NaN where one is not
-//            finite, 0 for an all-zero column) | [kTileKeys / G][dv] groups of G keys' codes
-//            per column (missing keys code 0)
-//   workspace: the f32 base's (none) replaced by [kTileKeys / G][rows_p] groups of P codes
+// P.V in integers (pv_dtype int8 or int16): P as unsigned codes per (row, tile), V as signed
+// codes per (tile, column), an integer dot (F::dot), f32 accumulation across tiles. F is the
+// format: Pv8<I> (8-bit codes, P 0..255 and V -127..127, on the Q.K^T dot's own groups of I::G:
+// vpdpbusd, or vpmaddwd's int16 pairs) or Pv16<I> (P 0..4095 and V -4095..4095 as int16 pairs:
+// vpmaddwd, vpdpwssd; 64 keys sum to at most 64 * 4095 * 4095 < 2^31, so the int32 lanes never
+// wrap).
+//   V tile   [dv] f32 column scales (max over the tile's keys of |v| / F::kVTop; NaN where one is
+//            not finite, 0 for an all-zero column) | [kTileKeys / F::G][dv] groups of F::G keys'
+//            codes per column (missing keys code 0)
+//   workspace: the f32 base's (none) replaced by [kTileKeys / F::G][rows_p] groups of P codes
 //            per row | [rows_p] P scales
-// P is in [0, 1] after the softmax step; row r's codes are floor(p * 255 / pmax_r + 1/2) in
-// [0, 255] with scale pmax_r / 255 (a row whose tile is all zero or NaN gets scale 0 or NaN;
-// a NaN row is NaN already through its sum). Each tile adds float(dot) * (ps_r * vs_c) to
-// O[r][c] * alpha_r in one fused multiply-add (I::accumulate), so every engine rounds alike.
+// P is in [0, 1] after the softmax step; row r's codes are floor(p * top / pmax_r + 1/2) in
+// [0, top] with scale pmax_r / top (top = F::kPTop; a row whose tile is all zero or NaN gets
+// scale 0 or NaN; a NaN row is NaN already through its sum). Each tile adds float(dot) * (ps_r *
+// vs_c) to O[r][c] * alpha_r in one fused multiply-add (I::accumulate), so every engine rounds
+// alike.
 template <class I>
+struct Pv8 {
+  static constexpr int G = I::G;
+  static constexpr float kPTop = 255.0f, kVTop = 127.0f;
+  static typename I::ireg dot(typename I::ireg acc, const typename I::ireg& v, std::uint32_t p) {
+    return I::dot_pv(acc, v, p);
+  }
+};
+template <class I>
+struct Pv16 {
+  static constexpr int G = 2;
+  static constexpr float kPTop = 4095.0f, kVTop = 4095.0f;
+  static typename I::ireg dot(typename I::ireg acc, const typename I::ireg& v, std::uint32_t p) {
+    return I::dot_pv16(acc, v, p);
+  }
+};
+
+template <class F>
 constexpr int pv_groups() {
-  return kTileKeys / I::G;
+  return kTileKeys / F::G;
 }
 
-template <class I>
+template <class F>
 std::size_t int8pv_v_tile_bytes(int dv) {
   return int8_align64(std::size_t(dv) * sizeof(float)) +
-         int8_align64(std::size_t(pv_groups<I>()) * std::size_t(dv) * 4);
+         int8_align64(std::size_t(pv_groups<F>()) * std::size_t(dv) * 4);
 }
 
-template <class I>
+template <class F>
 void int8pv_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) {
   auto* vs = static_cast<float*>(tile);
   auto* groups = reinterpret_cast<std::uint32_t*>(static_cast<unsigned char*>(tile) +
                                                   int8_align64(std::size_t(dv) * sizeof(float)));
+  constexpr float top = F::kVTop;
   thread_local std::vector<float> inv;
   inv.resize(std::size_t(dv));
   for (int c = 0; c < dv; ++c) {
@@ -355,18 +383,26 @@ void int8pv_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile
       finite = finite && std::isfinite(x);
       amax = std::max(amax, std::fabs(x));
     }
-    const Quant qn = quant_of(amax, finite);
-    vs[c] = qn.scale;
-    inv[std::size_t(c)] = qn.inv;
+    float scale = 0.0f, mul = 0.0f;  // quant_of with F's top
+    if (!finite) {
+      scale = std::numeric_limits<float>::quiet_NaN();
+    } else if (amax > 0.0f && std::isfinite(top / amax)) {
+      scale = amax / top;
+      mul = top / amax;
+    }
+    vs[c] = scale;
+    inv[std::size_t(c)] = mul;
   }
-  for (int g = 0; g < pv_groups<I>(); ++g)
+  for (int g = 0; g < pv_groups<F>(); ++g)
     for (int c = 0; c < dv; ++c) {
       int codes[4] = {0, 0, 0, 0};
-      for (int t = 0; t < I::G; ++t) {
-        const int j = g * I::G + t;
-        codes[t] = j < keys ? code_of(v[j * ld + c], inv[std::size_t(c)]) : 0;
+      for (int t = 0; t < F::G; ++t) {
+        const int j = g * F::G + t;
+        if (j >= keys) continue;
+        const float x = std::nearbyint(v[j * ld + c] * inv[std::size_t(c)]);
+        codes[t] = std::isnan(x) ? 0 : static_cast<int>(std::clamp(x, -top, top));
       }
-      groups[std::int64_t(g) * dv + c] = group_bits<I>(codes);
+      groups[std::int64_t(g) * dv + c] = group_bits_of<F::G>(codes);
     }
 }
 
@@ -375,9 +411,9 @@ inline std::size_t int8pv_p_bytes(int rows_p, int groups) {
          int8_align64(std::size_t(rows_p) * sizeof(float));
 }
 
-template <class I, const TileKernels& (*Base)()>
+template <class I, class F, const TileKernels& (*Base)()>
 std::size_t int8pv_workspace_bytes(int rows_p, int d, int dv) {
-  return int8_sizes<I, Base>(rows_p, d, dv).total() + int8pv_p_bytes(rows_p, pv_groups<I>());
+  return int8_sizes<I, Base>(rows_p, d, dv).total() + int8pv_p_bytes(rows_p, pv_groups<F>());
 }
 
 // int8_pack_q, then the P area after it (in the header's base_ws: the f32 base has none).
@@ -390,21 +426,21 @@ void int8pv_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv
 }
 
 // O[r][c..c+2W) for MR rows: p points at the P groups of row r0 (stride rows_p), v at column c.
-template <class I, int MR>
+template <class I, class F, int MR>
 inline void int8pv_rows(const std::uint32_t* p, int rows_p, const float* ps, const std::uint32_t* v,
                         const float* vs, int dv, float* o, std::int64_t ldo, const float* alpha) {
   using R = typename I::ireg;
   R acc[MR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = I::zero();
-  for (int g = 0; g < pv_groups<I>(); ++g) {
+  for (int g = 0; g < pv_groups<F>(); ++g) {
     const R v0 = I::load(v + std::int64_t(g) * dv);
     const R v1 = I::load(v + std::int64_t(g) * dv + I::W);
     const std::uint32_t* pg = p + std::int64_t(g) * rows_p;
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      acc[r][0] = I::dot_pv(acc[r][0], v0, pg[r]);
-      acc[r][1] = I::dot_pv(acc[r][1], v1, pg[r]);
+      acc[r][0] = F::dot(acc[r][0], v0, pg[r]);
+      acc[r][1] = F::dot(acc[r][1], v1, pg[r]);
     }
   }
 #pragma GCC unroll 8
@@ -414,38 +450,40 @@ inline void int8pv_rows(const std::uint32_t* p, int rows_p, const float* ps, con
   }
 }
 
-template <class I, int MR>
+template <class I, class F, int MR>
 inline void int8pv_tail(int n, const std::uint32_t* p, int rows_p, const float* ps,
                         const std::uint32_t* v, const float* vs, int dv, float* o, std::int64_t ldo,
                         const float* alpha) {
   if constexpr (MR > 0) {
-    if (n == MR) return int8pv_rows<I, MR>(p, rows_p, ps, v, vs, dv, o, ldo, alpha);
-    int8pv_tail<I, MR - 1>(n, p, rows_p, ps, v, vs, dv, o, ldo, alpha);
+    if (n == MR) return int8pv_rows<I, F, MR>(p, rows_p, ps, v, vs, dv, o, ldo, alpha);
+    int8pv_tail<I, F, MR - 1>(n, p, rows_p, ps, v, vs, dv, o, ldo, alpha);
   }
 }
 
 // The P codes of one tile: pt is S^T [keys][ldpt] (probabilities, rows in columns; rows_p a
-// multiple of 2W): per row its largest p (a NaN p is ignored) gives the scale pmax / 255 (0 for
-// a row of zeros) and the codes min(max(p * (255 / pmax), 0), 255) + 1/2 truncated (NaN: 0).
-// I::pack_p does it in vectors where the engine has it; this is the same f32 steps lane by lane.
-template <class I>
+// multiple of 2W): per row its largest p (a NaN p is ignored) gives the scale pmax / top (0 for
+// a row of zeros) and the codes min(max(p * (top / pmax), 0), top) + 1/2 truncated (NaN: 0).
+// I::pack_p<G> does it in vectors where the engine has it; this is the same f32 steps lane by
+// lane.
+template <class I, class F>
 void int8pv_pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
                    float* ps) {
-  if constexpr (requires { I::pack_p(pt, ldpt, keys, rows_p, p, ps); }) {
-    I::pack_p(pt, ldpt, keys, rows_p, p, ps);
+  if constexpr (requires { I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ps, F::kPTop); }) {
+    I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ps, F::kPTop);
   } else {
-    constexpr int kShift = 32 / I::G;
+    constexpr int kShift = 32 / F::G;
+    constexpr float top = F::kPTop;
     for (int r = 0; r < rows_p; ++r) {
       float mx = 0.0f;
       for (int j = 0; j < keys; ++j) mx = pt[j * ldpt + r] > mx ? pt[j * ldpt + r] : mx;
       const bool some = mx > 0.0f;
-      const float inv = some ? 255.0f / mx : 0.0f;
-      ps[r] = some ? mx / 255.0f : 0.0f;
-      for (int g = 0; g < pv_groups<I>(); ++g) {
+      const float inv = some ? top / mx : 0.0f;
+      ps[r] = some ? mx / top : 0.0f;
+      for (int g = 0; g < pv_groups<F>(); ++g) {
         std::uint32_t codes = 0;
-        for (int t = 0; t < I::G && g * I::G + t < keys; ++t) {
-          const float y = pt[(g * I::G + t) * ldpt + r] * inv;
-          const float x = y > 0.0f ? (y < 255.0f ? y : 255.0f) : 0.0f;
+        for (int t = 0; t < F::G && g * F::G + t < keys; ++t) {
+          const float y = pt[(g * F::G + t) * ldpt + r] * inv;
+          const float x = y > 0.0f ? (y < top ? y : top) : 0.0f;
           codes |= std::uint32_t(x + 0.5f) << (kShift * t);
         }
         p[std::int64_t(g) * rows_p + r] = codes;
@@ -454,7 +492,7 @@ void int8pv_pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std
   }
 }
 
-template <class I>
+template <class I, class F>
 void int8pv_pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*ldv*/,
                float* o, std::int64_t ldo, const float* alpha, int rows, int keys, int dv,
                void* ws) {
@@ -463,19 +501,21 @@ void int8pv_pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int6
   auto* p = static_cast<std::uint32_t*>(h.base_ws);
   auto* ps =
       reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(p) +
-                               int8_align64(std::size_t(pv_groups<I>()) * std::size_t(rows_p) * 4));
-  int8pv_pack_p<I>(pt, ldpt, keys, rows_p, p, ps);
+                               int8_align64(std::size_t(pv_groups<F>()) * std::size_t(rows_p) * 4));
+  int8pv_pack_p<I, F>(pt, ldpt, keys, rows_p, p, ps);
   const auto* vs = static_cast<const float*>(v_tile);
   const auto* v = reinterpret_cast<const std::uint32_t*>(
       static_cast<const unsigned char*>(v_tile) + int8_align64(std::size_t(dv) * sizeof(float)));
-  constexpr int kRows = 8;  // 8 rows x 2W columns: 16 accumulators
+  // Rows x 2W columns of accumulators: 8 x 2 of the 32 AVX-512 registers; 6 x 2 of AVX2's 16
+  // (8 x 2 spilled: flux-1024 f32 on avx2_int8, pv_dtype int16, 150 -> 185 GFLOP/s).
+  constexpr int kRows = I::W >= 16 ? 8 : 6;
   for (int c = 0; c < dv; c += 2 * I::W) {
     int r = 0;
     for (; r + kRows <= rows; r += kRows)
-      int8pv_rows<I, kRows>(p + r, rows_p, ps + r, v + c, vs + c, dv, o + r * ldo + c, ldo,
-                            alpha + r);
-    int8pv_tail<I, kRows - 1>(rows - r, p + r, rows_p, ps + r, v + c, vs + c, dv, o + r * ldo + c,
-                              ldo, alpha + r);
+      int8pv_rows<I, F, kRows>(p + r, rows_p, ps + r, v + c, vs + c, dv, o + r * ldo + c, ldo,
+                               alpha + r);
+    int8pv_tail<I, F, kRows - 1>(rows - r, p + r, rows_p, ps + r, v + c, vs + c, dv,
+                                 o + r * ldo + c, ldo, alpha + r);
   }
 }
 
@@ -491,14 +531,14 @@ constexpr Int8Functions int8_functions() {
           2 * I::W};
 }
 
-// The same engine with P.V in 8 bits (pv_dtype int8) on the f32 base `Base` (its softmax and row
-// conversions; its V format and P.V replaced).
-template <class I, const TileKernels& (*Base)()>
+// The same engine with P.V in integers (pv_dtype int8: F = Pv8<I>; int16: F = Pv16<I>) on the f32
+// base `Base` (its softmax and row conversions; its V format and P.V replaced).
+template <class I, const TileKernels& (*Base)(), class F = Pv8<I>>
 constexpr Int8Functions int8pv_functions() {
   return {&int8_qk<I>,
-          &int8pv_pv<I>,
-          {&int8pv_workspace_bytes<I, Base>, &int8pv_pack_q<I, Base>, &int8_k_tile_bytes<I>,
-           &int8pv_v_tile_bytes<I>, &int8_pack_k<I>, &int8pv_pack_v<I>, &int8_set_key_bias,
+          &int8pv_pv<I, F>,
+          {&int8pv_workspace_bytes<I, F, Base>, &int8pv_pack_q<I, Base>, &int8_k_tile_bytes<I>,
+           &int8pv_v_tile_bytes<F>, &int8_pack_k<I>, &int8pv_pack_v<F>, &int8_set_key_bias,
            &int8_set_row_terms},
           2 * I::W,
           2 * I::W};

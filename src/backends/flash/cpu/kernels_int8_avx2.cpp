@@ -36,11 +36,11 @@ struct Avx2Lanes {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
   // int8_impl.hpp's int8pv_pack_p, 8 rows per vector (max_ps(x, m) keeps m where x is NaN),
-  // codes G to a group (shifts of 32 / G).
+  // codes 0..top, G to a group (shifts of 32 / G).
   template <int G>
-  static void pack_p_groups(const float* pt, std::int64_t ldpt, int keys, int rows_p,
-                            std::uint32_t* p, float* ps) {
-    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(255.0f),
+  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
+                     float* ps, float top_code) {
+    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(top_code),
                  half = _mm256_set1_ps(0.5f);
     for (int r0 = 0; r0 < rows_p; r0 += W) {
       __m256 mx = zero;
@@ -81,12 +81,10 @@ struct Avx2Int8 : Avx2Lanes {
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(q, _mm256_set1_epi32(std::int32_t(k))));
   }
-  // P.V: P codes (0..255) and V codes as int16 pairs; vpmaddwd is symmetric.
+  // P.V: P codes (0..255, or 0..4095 for pv_dtype int16) and V codes as int16 pairs;
+  // vpmaddwd is symmetric.
   static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) { return dot(acc, v, p); }
-  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                     float* ps) {
-    pack_p_groups<G>(pt, ldpt, keys, rows_p, p, ps);
-  }
+  static ireg dot_pv16(ireg acc, ireg v, std::uint32_t p) { return dot(acc, v, p); }
 };
 
 struct AvxVnni : Avx2Lanes {
@@ -95,13 +93,13 @@ struct AvxVnni : Avx2Lanes {
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     return _mm256_dpbusd_avx_epi32(acc, q, _mm256_set1_epi32(std::int32_t(k)));
   }
-  // P.V: unsigned P codes broadcast against signed V codes.
+  // P.V: unsigned P codes broadcast against signed V codes; int16: P and V as int16 pairs
+  // (vpdpwssd, no saturation).
   static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) {
     return _mm256_dpbusd_avx_epi32(acc, _mm256_set1_epi32(std::int32_t(p)), v);
   }
-  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                     float* ps) {
-    pack_p_groups<G>(pt, ldpt, keys, rows_p, p, ps);
+  static ireg dot_pv16(ireg acc, ireg v, std::uint32_t p) {
+    return _mm256_dpwssd_avx_epi32(acc, _mm256_set1_epi32(std::int32_t(p)), v);
   }
 };
 
@@ -109,6 +107,8 @@ constexpr Int8Functions kAvx2Int8 = int8_functions<Avx2Int8, &avx2_kernels>();
 constexpr Int8Functions kAvxVnni = int8_functions<AvxVnni, &avx2_kernels>();
 constexpr Int8Functions kAvx2Int8Pv8 = int8pv_functions<Avx2Int8, &avx2_kernels>();
 constexpr Int8Functions kAvxVnniPv8 = int8pv_functions<AvxVnni, &avx2_kernels>();
+constexpr Int8Functions kAvx2Int8Pv16 = int8pv_functions<Avx2Int8, &avx2_kernels, Pv16<Avx2Int8>>();
+constexpr Int8Functions kAvxVnniPv16 = int8pv_functions<AvxVnni, &avx2_kernels, Pv16<AvxVnni>>();
 
 }  // namespace int8_avx2_impl
 }  // namespace dattn::flash
@@ -141,6 +141,16 @@ const TileKernels& avx_vnni_pv8_kernels() {
       int8_tile_kernels("avx_vnni", avx2_kernels(), int8_avx2_impl::kAvxVnniPv8);
   return k;
 }
+const TileKernels& avx2_int8_pv16_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx2_int8", avx2_kernels(), int8_avx2_impl::kAvx2Int8Pv16);
+  return k;
+}
+const TileKernels& avx_vnni_pv16_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx_vnni", avx2_kernels(), int8_avx2_impl::kAvxVnniPv16);
+  return k;
+}
 }  // namespace dattn::flash
 #else
 namespace dattn::flash {
@@ -155,6 +165,12 @@ const TileKernels& avx2_int8_pv8_kernels() {
 }
 const TileKernels& avx_vnni_pv8_kernels() {
   return avx_vnni_emulated_pv8_kernels();
+}
+const TileKernels& avx2_int8_pv16_kernels() {
+  return avx2_int8_emulated_pv16_kernels();
+}
+const TileKernels& avx_vnni_pv16_kernels() {
+  return avx_vnni_emulated_pv16_kernels();
 }
 }  // namespace dattn::flash
 #endif

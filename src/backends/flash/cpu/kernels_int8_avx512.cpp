@@ -54,10 +54,18 @@ struct Avx512Vnni {
   static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) {
     return dpbusd(acc, _mm512_set1_epi32(std::int32_t(p)), v);
   }
-  // int8_impl.hpp's int8pv_pack_p, 16 rows per vector (max_ps(x, m) keeps m where x is NaN).
+  // P.V in int16 pairs (pv_dtype int16): vpdpwssd (no saturation), P broadcast.
+  static ireg dot_pv16(ireg acc, ireg v, std::uint32_t p) {
+    const ireg pp = _mm512_set1_epi32(std::int32_t(p));
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(pp), "v"(v));
+    return acc;
+  }
+  // int8_impl.hpp's int8pv_pack_p, 16 rows per vector (max_ps(x, m) keeps m where x is NaN),
+  // codes 0..top, G to a group (shifts of 32 / G).
+  template <int G>
   static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                     float* ps) {
-    const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f),
+                     float* ps, float top_code) {
+    const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(top_code),
                  half = _mm512_set1_ps(0.5f);
     for (int r0 = 0; r0 < rows_p; r0 += W) {
       __m512 mx = zero;
@@ -71,7 +79,7 @@ struct Avx512Vnni {
           const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(pt + (g * G + t) * ldpt + r0), inv);
           const __m512 x = _mm512_min_ps(_mm512_max_ps(y, zero), top);  // NaN y: 0
           codes = _mm512_or_si512(
-              codes, _mm512_slli_epi32(_mm512_cvttps_epi32(_mm512_add_ps(x, half)), 8 * t));
+              codes, _mm512_slli_epi32(_mm512_cvttps_epi32(_mm512_add_ps(x, half)), (32 / G) * t));
         }
         _mm512_storeu_si512(p + std::int64_t(g) * rows_p + r0, codes);
       }
@@ -95,6 +103,7 @@ struct Avx512Vnni {
 constexpr Int8Functions kBf16Pv = int8_functions<Avx512Vnni, &avx512_bf16_kernels>();
 constexpr Int8Functions kF32Pv = int8_functions<Avx512Vnni, &avx512_kernels>();
 constexpr Int8Functions kPv8 = int8pv_functions<Avx512Vnni, &avx512_kernels>();
+constexpr Int8Functions kPv16 = int8pv_functions<Avx512Vnni, &avx512_kernels, Pv16<Avx512Vnni>>();
 
 }  // namespace int8_avx512_impl
 }  // namespace dattn::flash
@@ -109,6 +118,11 @@ namespace dattn::flash {
 const TileKernels& avx512_vnni_pv8_kernels() {
   static const TileKernels k =
       int8_tile_kernels("avx512_vnni", avx512_kernels(), int8_avx512_impl::kPv8);
+  return k;
+}
+const TileKernels& avx512_vnni_pv16_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx512_vnni", avx512_kernels(), int8_avx512_impl::kPv16);
   return k;
 }
 const TileKernels& avx512_vnni_f32_pv_kernels() {
@@ -130,6 +144,9 @@ const TileKernels& avx512_vnni_f32_pv_kernels() {
 }
 const TileKernels& avx512_vnni_pv8_kernels() {
   return avx512_vnni_emulated_pv8_kernels();
+}
+const TileKernels& avx512_vnni_pv16_kernels() {
+  return avx512_vnni_emulated_pv16_kernels();
 }
 const TileKernels& avx512_vnni_kernels() {
   return avx512_vnni_emulated_kernels();

@@ -51,7 +51,29 @@ template <class I>
 TileKernels make_pv8(std::string_view name) {
   return int8_tile_kernels(name, portable_kernels(), int8pv_functions<I, &portable_kernels>());
 }
+template <class I>
+TileKernels make_pv16(std::string_view name) {
+  return int8_tile_kernels(name, portable_kernels(),
+                           int8pv_functions<I, &portable_kernels, Pv16<I>>());
+}
 }  // namespace
+
+const TileKernels& portable_int8_pv16_kernels() {
+  static const TileKernels k = make_pv16<Avx2Int8>("portable_int8");
+  return k;
+}
+const TileKernels& avx2_int8_emulated_pv16_kernels() {
+  static const TileKernels k = make_pv16<Avx2Int8>("avx2_int8_emulated");
+  return k;
+}
+const TileKernels& avx_vnni_emulated_pv16_kernels() {
+  static const TileKernels k = make_pv16<AvxVnni>("avx_vnni_emulated");
+  return k;
+}
+const TileKernels& avx512_vnni_emulated_pv16_kernels() {
+  static const TileKernels k = make_pv16<Avx512Vnni>("avx512_vnni_emulated");
+  return k;
+}
 
 const TileKernels& portable_int8_pv8_kernels() {
   static const TileKernels k = make_pv8<Avx2Int8>("portable_int8");
