@@ -506,9 +506,11 @@ void int8pv_pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int6
   const auto* vs = static_cast<const float*>(v_tile);
   const auto* v = reinterpret_cast<const std::uint32_t*>(
       static_cast<const unsigned char*>(v_tile) + int8_align64(std::size_t(dv) * sizeof(float)));
-  // Rows x 2W columns of accumulators: 8 x 2 of the 32 AVX-512 registers; 6 x 2 of AVX2's 16
-  // (8 x 2 spilled: flux-1024 f32 on avx2_int8, pv_dtype int16, 150 -> 185 GFLOP/s).
-  constexpr int kRows = I::W >= 16 ? 8 : 6;
+  // Rows x 2W columns of accumulators: 8 x 2 of the 32 AVX-512 registers; 4 x 2 of AVX2's 16
+  // (8 x 2 spilled accumulators to the stack every group; flux-1024 f32 on avx2_int8, pv_dtype
+  // int16, on an Intel Xeon: 150 GFLOP/s with 8 rows, 185 with 6 (still spilling), 187-202 with
+  // 5 or 4).
+  constexpr int kRows = I::W >= 16 ? 8 : 4;
   for (int c = 0; c < dv; c += 2 * I::W) {
     int r = 0;
     for (; r + kRows <= rows; r += kRows)
