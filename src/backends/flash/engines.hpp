@@ -95,7 +95,7 @@ inline constexpr bool kRotateByDefault = true;
 // avx512_vnni and its twin (vpdpwssd: on an Intel Xeon with AVX512-BF16, flux-1024 f32 419
 // GFLOP/s against 367 with f32 P.V and 251 with bf16); otherwise `automatic` itself, the engine's
 // own kernels: bf16 tiles on amx_int8, f32 on avx2_int8, avx_vnni and portable_int8 (int16 there
-// measured even with f32: 185 against 192, 246 against 233 GFLOP/s).
+// measured within the noise of f32: avx2_int8 187-202 against 176-191 GFLOP/s).
 PvDtype automatic_pv_dtype(const Engine& e);
 // The kernels of int8 engine `e` with P.V in `pv`; NotAvailable naming pv_dtype where the engine
 // has no bf16 P.V on this CPU.
