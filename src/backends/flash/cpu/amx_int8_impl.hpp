@@ -65,7 +65,8 @@ inline std::uint32_t int8_group(const float* x, std::int64_t stride, int n, floa
   return g;
 }
 
-inline void int8_tile_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
+template <class D>
+void int8_tile_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
   auto* ks = static_cast<float*>(tile);
   auto* groups =
       reinterpret_cast<std::uint32_t*>(static_cast<unsigned char*>(tile) + int8_k_header_bytes());
@@ -77,10 +78,19 @@ inline void int8_tile_pack_k(const float* k, std::int64_t ld, int keys, int d, v
   std::fill(groups, groups + std::int64_t(dgp) * kTileKeys, 0u);
   for (int j = 0; j < keys; ++j) {
     const float* row = k + j * ld;
-    const Quant qn = quant_of_row(row, d);
-    ks[j] = qn.scale;
-    for (int g = 0; g * 4 < d; ++g)
-      groups[std::int64_t(g) * kTileKeys + j] = int8_group(row + 4 * g, 1, d - 4 * g, qn.inv);
+    if constexpr (requires { D::int8_key_groups(row, d, 1.0f, groups, kTileKeys); }) {
+      float amax = 0.0f;
+      bool finite = true;
+      D::int8_amax(row, d, &amax, &finite);
+      const Quant qn = quant_of(amax, finite);
+      ks[j] = qn.scale;
+      D::int8_key_groups(row, d, qn.inv, groups + j, kTileKeys);
+    } else {
+      const Quant qn = quant_of_row(row, d);
+      ks[j] = qn.scale;
+      for (int g = 0; g * 4 < d; ++g)
+        groups[std::int64_t(g) * kTileKeys + j] = int8_group(row + 4 * g, 1, d - 4 * g, qn.inv);
+    }
   }
 }
 
@@ -117,13 +127,19 @@ void int8_tile_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int
     w->qs[r] = qn.scale * logit_scale;
     inv[r] = qn.inv;
   }
-  for (int r = 0; r < rows_p; ++r) {
-    std::uint32_t* row = w->q + std::int64_t(r) * w->d2p;
-    int g = 0;
-    for (; g * 4 < d; ++g)
-      row[g] = int8_group(qt + std::int64_t(4 * g) * ldqt + r, ldqt, d - 4 * g, inv[r]);
-    for (; g < w->d2p; ++g) row[g] = 0u;
+  int r0 = 0;
+  if constexpr (requires { D::int8_query_groups16(qt, ldqt, d, inv, w->q, w->d2p); }) {
+    for (; r0 + 16 <= rows_p; r0 += 16)
+      D::int8_query_groups16(qt + r0, ldqt, d, inv + r0, w->q + std::int64_t(r0) * w->d2p, w->d2p);
   }
+  for (int r = r0; r < rows_p; ++r) {
+    std::uint32_t* row = w->q + std::int64_t(r) * w->d2p;
+    for (int g = 0; g * 4 < d; ++g)
+      row[g] = int8_group(qt + std::int64_t(4 * g) * ldqt + r, ldqt, d - 4 * g, inv[r]);
+  }
+  for (int r = 0; r < rows_p; ++r)
+    std::fill(w->q + std::int64_t(r) * w->d2p + (d + 3) / 4, w->q + std::int64_t(r + 1) * w->d2p,
+              0u);
 }
 
 inline void int8_tile_set_row_terms(void* ws, const float* terms) {
@@ -189,7 +205,7 @@ constexpr Bf16Functions amx_int8_functions(
   return {&int8_tile_qk<T, D>,
           nullptr,
           {&int8_tile_workspace_bytes, &int8_tile_pack_q<D>, &int8_tile_k_bytes, &v_tile_bytes,
-           &int8_tile_pack_k, &pack_v<D>, &int8_set_key_bias, &int8_tile_set_row_terms},
+           &int8_tile_pack_k<D>, &pack_v<D>, &int8_set_key_bias, &int8_tile_set_row_terms},
           32,
           &T::begin,
           &T::end,

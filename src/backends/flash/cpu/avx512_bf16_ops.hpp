@@ -23,6 +23,63 @@ struct Avx512Bf16Ops {
                                    : _mm512_loadu_ps(kb);
     store(out, not_finite_to_nan(_mm512_fmadd_ps(x, t, b)));
   }
+  // int8_impl.hpp's quantization in vectors, for amx_int8's packers (int8_tile_pack_k / _q):
+  // the largest magnitude of x[0..n) and whether all are finite (quant_of_row's loop)...
+  static void int8_amax(const float* x, int n, float* amax, bool* finite) {
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    for (int e = 0; e < n; e += 16) {
+      const __mmask16 m = n - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - e)) - 1);
+      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + e));
+      bad |= _mm512_mask_cmp_ps_mask(m, a, inf, _CMP_NLT_UQ);  // inf or NaN
+      mx = _mm512_max_ps(mx, a);
+    }
+    *finite = bad == 0;
+    *amax = *finite ? _mm512_reduce_max_ps(mx) : 0.0f;
+  }
+  // ... and the codes code_of(x[i] * inv) as 32-bit lanes: round half to even (the default
+  // MXCSR mode, as std::nearbyint), clamped to [-127, 127], 0 where x * inv is NaN.
+  static __m512i int8_codes16(__m512 x, __m512 inv) {
+    const __m512 y = _mm512_mul_ps(x, inv);
+    const __mmask16 ordered = _mm512_cmp_ps_mask(y, y, _CMP_ORD_Q);
+    const __m512 c = _mm512_min_ps(
+        _mm512_max_ps(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                      _mm512_set1_ps(-127.0f)),
+        _mm512_set1_ps(127.0f));
+    return _mm512_maskz_cvtps_epi32(ordered, c);
+  }
+  // The groups of one key row (codes of x[0..d), four to a group, zeros past d) into
+  // out[g * stride] for every group g < ceil(d / 4).
+  static void int8_key_groups(const float* x, int d, float inv, std::uint32_t* out,
+                              std::int64_t stride) {
+    const __m512 vi = _mm512_set1_ps(inv);
+    for (int e = 0; e < d; e += 16) {
+      const __mmask16 m = d - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - e)) - 1);
+      const __m128i bytes = _mm512_cvtepi32_epi8(int8_codes16(_mm512_maskz_loadu_ps(m, x + e), vi));
+      alignas(16) std::uint32_t g[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(g), bytes);
+      for (int t = 0; t < 4 && e + 4 * t < d; ++t) out[std::int64_t(e / 4 + t) * stride] = g[t];
+    }
+  }
+  // The groups of 16 query rows: qt is [d][ldqt] (rows in columns), inv the rows' multipliers;
+  // row i's group g goes to out[i * row_stride + g], for every g < ceil(d / 4).
+  static void int8_query_groups16(const float* qt, std::int64_t ldqt, int d, const float* inv,
+                                  std::uint32_t* out, std::int64_t row_stride) {
+    const __m512 vi = _mm512_loadu_ps(inv);
+    const __m512i low = _mm512_set1_epi32(0xff);
+    for (int g = 0; 4 * g < d; ++g) {
+      __m512i w = _mm512_setzero_si512();
+      for (int t = 0; t < 4 && 4 * g + t < d; ++t) {
+        const __m512i c =
+            _mm512_and_si512(int8_codes16(_mm512_loadu_ps(qt + (4 * g + t) * ldqt), vi), low);
+        w = _mm512_or_si512(w, _mm512_slli_epi32(c, 8 * t));
+      }
+      alignas(64) std::uint32_t lanes[16];
+      _mm512_store_si512(lanes, w);
+      for (int i = 0; i < 16; ++i) out[i * row_stride + g] = lanes[i];
+    }
+  }
   static reg dot(reg acc, const std::uint32_t* pairs, std::uint32_t b) {
     const __m512i a = _mm512_loadu_si512(pairs);
     const __m512i bb = _mm512_set1_epi32(static_cast<int>(b));

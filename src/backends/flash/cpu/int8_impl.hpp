@@ -176,6 +176,11 @@ void int8_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
   *int8_tile_run(tile) = 0;
   for (int j = 0; j < keys; ++j) {
     const float* row = k + j * ld;
+    if constexpr (requires { I::pack_key_row(row, d, groups, ks); }) {
+      // The same codes and sums in vectors (the engine's I::pack_key_row).
+      sums[j] = I::pack_key_row(row, d, groups + std::int64_t(j) * dg, ks + j);
+      continue;
+    }
     const Quant qn = quant_of_row(row, d);
     ks[j] = qn.scale;
     std::int32_t sum = 0;
@@ -224,9 +229,14 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
     h->qs[r] = qn.scale * logit_scale;
     h->inv[r] = qn.inv;
   }
+  int r0 = 0;
+  if constexpr (requires { I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q); }) {
+    // Whole vectors of rows in the engine's code (the same codes), the rest below.
+    r0 = I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q);
+  }
   for (int g = 0; g < h->dg; ++g) {
     std::uint32_t* dst = h->q + std::int64_t(g) * rows_p;
-    for (int r = 0; r < rows_p; ++r) {
+    for (int r = r0; r < rows_p; ++r) {
       int codes[4] = {0, 0, 0, 0};
       for (int t = 0; t < I::G; ++t) {
         const int e = g * I::G + t;

@@ -85,6 +85,68 @@ struct Avx512Vnni {
       }
     }
   }
+  // int8_impl.hpp's code_of(x * inv) in vectors: round half to even (the default MXCSR mode, as
+  // std::nearbyint), clamped to [-127, 127], 0 where x * inv is NaN.
+  static __m512i codes16(__m512 x, __m512 inv) {
+    const __m512 y = _mm512_mul_ps(x, inv);
+    const __mmask16 ordered = _mm512_cmp_ps_mask(y, y, _CMP_ORD_Q);
+    const __m512 c = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 cl =
+        _mm512_min_ps(_mm512_max_ps(c, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    return _mm512_maskz_cvtps_epi32(ordered, cl);
+  }
+  // int8_pack_k's work for one key: its scale (quant_of_row) into *ks, its groups (d codes as
+  // bytes, zeros past d up to the last group) into groups; returns the codes' sum.
+  static std::int32_t pack_key_row(const float* x, int d, std::uint32_t* groups, float* ks) {
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    for (int e = 0; e < d; e += 16) {
+      const __mmask16 m = d - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - e)) - 1);
+      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + e));
+      bad |= _mm512_mask_cmp_ps_mask(m, a, inf, _CMP_NLT_UQ);  // inf or NaN
+      mx = _mm512_max_ps(mx, a);
+    }
+    const bool finite = bad == 0;
+    const Quant qn = quant_of(finite ? _mm512_reduce_max_ps(mx) : 0.0f, finite);
+    *ks = qn.scale;
+    const __m512 inv = _mm512_set1_ps(qn.inv);
+    __m512i sum = _mm512_setzero_si512();
+    auto* bytes = reinterpret_cast<std::uint8_t*>(groups);
+    for (int e = 0; e < d; e += 16) {
+      const int n = std::min(16, d - e);
+      const __mmask16 m = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+      const __m512i c = codes16(_mm512_maskz_loadu_ps(m, x + e), inv);
+      sum = _mm512_add_epi32(sum, c);
+      const int stored = (n + 3) / 4 * 4;  // whole groups
+      _mm_mask_storeu_epi8(bytes + e, __mmask16((1u << stored) - 1), _mm512_cvtepi32_epi8(c));
+    }
+    return _mm512_reduce_add_epi32(sum);
+  }
+  // int8_pack_q's groups for whole vectors of 16 rows: the codes of rows r (inv[r] their
+  // multipliers) offset by 128, four elements to a group, zeros (128) past d, into
+  // q[g * rows_p + r]; returns the first row not done.
+  static int pack_query_rows(const float* qt, std::int64_t ldqt, int rows_p, int d,
+                             const float* inv, std::uint32_t* q) {
+    const int dg = (d + 3) / 4;
+    const __m512i low = _mm512_set1_epi32(0xff), offset = _mm512_set1_epi32(128);
+    int r = 0;
+    for (; r + 16 <= rows_p; r += 16) {
+      const __m512 vi = _mm512_loadu_ps(inv + r);
+      for (int g = 0; g < dg; ++g) {
+        __m512i w = _mm512_setzero_si512();
+        for (int t = 0; t < 4; ++t) {
+          const int e = 4 * g + t;
+          const __m512i c =
+              e < d ? codes16(_mm512_loadu_ps(qt + e * ldqt + r), vi) : _mm512_setzero_si512();
+          w = _mm512_or_si512(
+              w, _mm512_slli_epi32(_mm512_and_si512(_mm512_add_epi32(c, offset), low), 8 * t));
+        }
+        _mm512_storeu_si512(q + std::int64_t(g) * rows_p + r, w);
+      }
+    }
+    return r;
+  }
   static void accumulate(float* o, ireg acc, float alpha, float ps, const float* vs) {
     const __m512 t = _mm512_mul_ps(_mm512_set1_ps(ps), _mm512_loadu_ps(vs));
     _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), t,
