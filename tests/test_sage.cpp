@@ -103,7 +103,8 @@ DitLike dit_like(i64 s, i64 h, i64 d, std::uint32_t seed) {
 }
 
 // Every int8 engine (real ones this CPU runs, every twin) gives the same S^T bit for bit: the
-// same codes and scales, exact integer dots, the same two scale multiplies.
+// same codes and scales (the vector quantizers included: a key and a query row that are not
+// finite), exact integer dots, the same two scale multiplies.
 TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
   const std::vector<const flash::Engine*> engines = int8_engines();
   ASSERT_GE(engines.size(), 5u);  // portable_int8 and the four twins run everywhere
@@ -119,6 +120,7 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
       for (int e = 0; e < d; ++e)
         for (int r = 0; r < rows; ++r) qt[std::size_t(e) * 128 + r] = n(rng);
       k[3] = INFINITY;  // key 0 is not finite: its logits are NaN in every row
+      qt[std::size_t(d / 2) * 128 + 7] = NAN;  // query row 7 is not: its logits are NaN
       for (const flash::Engine* e : engines) {
         SCOPED_TRACE(std::string(e->name) + " d " + std::to_string(d) + " keys " +
                      std::to_string(keys));
@@ -140,6 +142,8 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
         for (int j = 0; j < keys; ++j)
           for (int r = 0; r < rows; ++r) mine.push_back(st[std::size_t(j) * 144 + r]);
         for (int r = 0; r < rows; ++r) EXPECT_TRUE(std::isnan(mine[std::size_t(r)])) << r;
+        for (int j = 0; j < keys; ++j)
+          EXPECT_TRUE(std::isnan(mine[std::size_t(j) * rows + 7])) << j;
         results.push_back(std::move(mine));
       }
       for (std::size_t n2 = 1; n2 < results.size(); ++n2)
