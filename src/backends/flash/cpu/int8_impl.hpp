@@ -256,14 +256,19 @@ inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int
   R acc[MK][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MK; ++m) acc[m][0] = acc[m][1] = I::zero();
-  for (int g = 0; g < dg; ++g) {
-    const R q0 = I::load(q + std::int64_t(g) * rows_p);
-    const R q1 = I::load(q + std::int64_t(g) * rows_p + I::W);
+  if constexpr (MK == 4 && requires { I::qk_group4(acc, q, k, dg); }) {
+    // The engine's own loop body for its full micro-tile.
+    for (int g = 0; g < dg; ++g) I::qk_group4(acc, q + std::int64_t(g) * rows_p, k + g, dg);
+  } else {
+    for (int g = 0; g < dg; ++g) {
+      const R q0 = I::load(q + std::int64_t(g) * rows_p);
+      const R q1 = I::load(q + std::int64_t(g) * rows_p + I::W);
 #pragma GCC unroll 8
-    for (int m = 0; m < MK; ++m) {
-      const std::uint32_t kg = k[m * dg + g];
-      acc[m][0] = I::dot(acc[m][0], q0, kg);
-      acc[m][1] = I::dot(acc[m][1], q1, kg);
+      for (int m = 0; m < MK; ++m) {
+        const std::uint32_t kg = k[m * dg + g];
+        acc[m][0] = I::dot(acc[m][0], q0, kg);
+        acc[m][1] = I::dot(acc[m][1], q1, kg);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -356,6 +361,11 @@ struct Pv8 {
   static typename I::ireg dot(typename I::ireg acc, const typename I::ireg& v, std::uint32_t p) {
     return I::dot_pv(acc, v, p);
   }
+  template <class A>
+  static void group4(A& acc, const std::uint32_t* v, const std::uint32_t* p) requires requires {
+    I::pv8_group4(acc, v, p);
+  }
+  { I::pv8_group4(acc, v, p); }
 };
 template <class I>
 struct Pv16 {
@@ -364,6 +374,11 @@ struct Pv16 {
   static typename I::ireg dot(typename I::ireg acc, const typename I::ireg& v, std::uint32_t p) {
     return I::dot_pv16(acc, v, p);
   }
+  template <class A>
+  static void group4(A& acc, const std::uint32_t* v, const std::uint32_t* p) requires requires {
+    I::pv16_group4(acc, v, p);
+  }
+  { I::pv16_group4(acc, v, p); }
 };
 
 template <class F>
@@ -443,14 +458,20 @@ inline void int8pv_rows(const std::uint32_t* p, int rows_p, const float* ps, con
   R acc[MR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = I::zero();
-  for (int g = 0; g < pv_groups<F>(); ++g) {
-    const R v0 = I::load(v + std::int64_t(g) * dv);
-    const R v1 = I::load(v + std::int64_t(g) * dv + I::W);
-    const std::uint32_t* pg = p + std::int64_t(g) * rows_p;
+  if constexpr (MR == 4 && requires { F::group4(acc, v, p); }) {
+    // The engine's own loop body for its full micro-tile.
+    for (int g = 0; g < pv_groups<F>(); ++g)
+      F::group4(acc, v + std::int64_t(g) * dv, p + std::int64_t(g) * rows_p);
+  } else {
+    for (int g = 0; g < pv_groups<F>(); ++g) {
+      const R v0 = I::load(v + std::int64_t(g) * dv);
+      const R v1 = I::load(v + std::int64_t(g) * dv + I::W);
+      const std::uint32_t* pg = p + std::int64_t(g) * rows_p;
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      acc[r][0] = F::dot(acc[r][0], v0, pg[r]);
-      acc[r][1] = F::dot(acc[r][1], v1, pg[r]);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][0] = F::dot(acc[r][0], v0, pg[r]);
+        acc[r][1] = F::dot(acc[r][1], v1, pg[r]);
+      }
     }
   }
 #pragma GCC unroll 8

@@ -75,9 +75,64 @@ struct Avx2Lanes {
   }
 };
 
+// One group of the 4 x 2 micro-tiles on vpmaddwd + vpaddd, written as one block of assembly:
+// a[n][0] += a0 x b[n], a[n][1] += a1 x b[n] for the 4 broadcast groups b[n] at b0, b0 + s,
+// b1, b1 + s (byte strides). GCC 12 compiled the intrinsics' loop with a vmovdqa per vpaddd
+// (the accumulators rotated through other registers, 57 in int8_qk's loop), none here.
+#define DATTN_MADD4X2(A0, A1)                                                               \
+  __asm__(                                                                                  \
+      "vpbroadcastd (%[b0]), %[t2]\n\t"                                                     \
+      "vpmaddwd %[t2], %[x0], %[t0]\n\t"                                                    \
+      "vpmaddwd %[t2], %[x1], %[t1]\n\t"                                                    \
+      "vpaddd %[t0], %[a00], %[a00]\n\t"                                                    \
+      "vpaddd %[t1], %[a01], %[a01]\n\t"                                                    \
+      "vpbroadcastd (%[b0],%[s]), %[t2]\n\t"                                                \
+      "vpmaddwd %[t2], %[x0], %[t0]\n\t"                                                    \
+      "vpmaddwd %[t2], %[x1], %[t1]\n\t"                                                    \
+      "vpaddd %[t0], %[a10], %[a10]\n\t"                                                    \
+      "vpaddd %[t1], %[a11], %[a11]\n\t"                                                    \
+      "vpbroadcastd (%[b1]), %[t2]\n\t"                                                     \
+      "vpmaddwd %[t2], %[x0], %[t0]\n\t"                                                    \
+      "vpmaddwd %[t2], %[x1], %[t1]\n\t"                                                    \
+      "vpaddd %[t0], %[a20], %[a20]\n\t"                                                    \
+      "vpaddd %[t1], %[a21], %[a21]\n\t"                                                    \
+      "vpbroadcastd (%[b1],%[s]), %[t2]\n\t"                                                \
+      "vpmaddwd %[t2], %[x0], %[t0]\n\t"                                                    \
+      "vpmaddwd %[t2], %[x1], %[t1]\n\t"                                                    \
+      "vpaddd %[t0], %[a30], %[a30]\n\t"                                                    \
+      "vpaddd %[t1], %[a31], %[a31]"                                                        \
+      : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a10] "+x"(a[1][0]), [a11] "+x"(a[1][1]), \
+        [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]), [a30] "+x"(a[3][0]), [a31] "+x"(a[3][1]), \
+        [t0] "=&x"(t0), [t1] "=&x"(t1), [t2] "=&x"(t2)                                      \
+      : [x0] "x"(A0), [x1] "x"(A1), [b0] "r"(b0), [b1] "r"(b1), [s] "r"(s)                  \
+      : "memory")
+
 struct Avx2Int8 : Avx2Lanes {
   static constexpr int G = 2;
   static constexpr bool kOffsetQ = false;
+  // int8_qk_keys' loop body for 4 keys: the query groups at q (2 registers), the keys' groups at
+  // k, k + dg, k + 2 dg, k + 3 dg.
+  static void qk_group4(ireg (&a)[4][2], const std::uint32_t* q, const std::uint32_t* k, int dg) {
+    const ireg x0 = load(q), x1 = load(q + W);
+    const std::uint32_t* b0 = k;
+    const std::uint32_t* b1 = k + 2 * std::int64_t(dg);
+    const std::int64_t s = std::int64_t(dg) * 4;
+    ireg t0, t1, t2;
+    DATTN_MADD4X2(x0, x1);
+  }
+  // int8pv_rows' loop body for 4 rows (int16 pairs either way): V's groups at v (2 registers),
+  // the rows' P groups at p[0..4).
+  static void pv16_group4(ireg (&a)[4][2], const std::uint32_t* v, const std::uint32_t* p) {
+    const ireg x0 = load(v), x1 = load(v + W);
+    const std::uint32_t* b0 = p;
+    const std::uint32_t* b1 = p + 2;
+    const std::int64_t s = 4;
+    ireg t0, t1, t2;
+    DATTN_MADD4X2(x0, x1);
+  }
+  static void pv8_group4(ireg (&a)[4][2], const std::uint32_t* v, const std::uint32_t* p) {
+    pv16_group4(a, v, p);
+  }
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(q, _mm256_set1_epi32(std::int32_t(k))));
   }
@@ -102,6 +157,8 @@ struct AvxVnni : Avx2Lanes {
     return _mm256_dpwssd_avx_epi32(acc, _mm256_set1_epi32(std::int32_t(p)), v);
   }
 };
+
+#undef DATTN_MADD4X2
 
 constexpr Int8Functions kAvx2Int8 = int8_functions<Avx2Int8, &avx2_kernels>();
 constexpr Int8Functions kAvxVnni = int8_functions<AvxVnni, &avx2_kernels>();
