@@ -980,9 +980,15 @@ class SageBackend final : public Backend {
   std::string name() const override { return "SAGE"; }
   std::string description() const override {
     const Engine& e = select_engine(process_cap(), DType::F32, ComputeDtype::int8);
+    const TileKernels& kk = int8_engine_kernels(e, PvDtype::automatic);
+    const PvDtype pv = automatic_pv_dtype(e);
+    // automatic_pv_dtype: int16 on avx512_vnni, amx_int8's own bf16 tiles, else f32.
+    const std::string pv_name = pv == PvDtype::int16      ? "16-bit integer codes"
+                                : !kk.loop.tile_by_tile() ? "bf16 tiles"
+                                                          : "f32";
     return "8-bit attention (SageAttention on the CPU): Q and K as int8 per row and key with K "
-           "smoothed, P.V in bf16 or f32, on FLASH's driver (" +
-           std::string(int8_engine_kernels(e, PvDtype::automatic).engine) +
+           "smoothed and rotated, P.V by pv_dtype (auto here: " +
+           pv_name + "), on FLASH's driver (" + std::string(kk.engine) +
            "); approximate, chosen only explicitly";
   }
   std::optional<std::vector<std::string>> option_names() const override {
