@@ -193,13 +193,14 @@ TEST(SageInputs, MaskedKeysChangeNothing) {
   AttentionMetadata m;
   m.attn_mask = mask.view();
   for (const std::string& e : int8_engine_names())
-    for (const bool pv8 : {false, true}) {
-      SCOPED_TRACE(e + (pv8 ? " pv int8" : ""));
+    for (const char* pv : {"auto", "int8", "int16"}) {
+      const bool pv8 = std::string(pv) == "int8";
+      SCOPED_TRACE(e + " pv " + pv);
       const Tensor q = random_tensor({1, sq, h, d}, DType::F32, 1);
       Tensor k = random_tensor({1, skv, h, d}, DType::F32, 2),
              v = random_tensor({1, skv, h, d}, DType::F32, 3);
       AttentionConfig c = sage(h, h, d, e);
-      if (pv8) c.backend_options["pv_dtype"] = std::string("int8");
+      c.backend_options["pv_dtype"] = std::string(pv);
       const Attention layer(c);
       const ForwardResult want = reference(c, q, k, v, m);
       Tensor first;
