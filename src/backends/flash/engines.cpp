@@ -269,36 +269,28 @@ const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {
   const bool amx = e.kernels == &amx_int8_kernels;
   const bool amx_twin = e.kernels == &amx_int8_emulated_kernels;
   if (pv == PvDtype::automatic) pv = automatic_pv_dtype(e);
-  if (pv == PvDtype::int16) {
-    // amx_int8's P.V is on bf16 tiles: a 16-bit integer P.V is avx512_vnni's (reported so).
-    const std::pair<const TileKernels& (*)(), const TileKernels& (*)()> pv16[] = {
-        {&portable_int8_kernels, &portable_int8_pv16_kernels},
-        {&avx2_int8_kernels, &avx2_int8_pv16_kernels},
-        {&avx2_int8_emulated_kernels, &avx2_int8_emulated_pv16_kernels},
-        {&avx_vnni_kernels, &avx_vnni_pv16_kernels},
-        {&avx_vnni_emulated_kernels, &avx_vnni_emulated_pv16_kernels},
-        {&avx512_vnni_kernels, &avx512_vnni_pv16_kernels},
-        {&avx512_vnni_emulated_kernels, &avx512_vnni_emulated_pv16_kernels},
-        {&amx_int8_kernels, &avx512_vnni_pv16_kernels},
-        {&amx_int8_emulated_kernels, &avx512_vnni_emulated_pv16_kernels}};
-    for (const auto& [engine, kernels] : pv16)
-      if (e.kernels == engine) return kernels();
-    return e.kernels();
-  }
-  if (pv == PvDtype::int8) {
-    // amx_int8's P.V is on bf16 tiles: an 8-bit P.V is avx512_vnni's (the engine then reported).
-    const std::pair<const TileKernels& (*)(), const TileKernels& (*)()> pv8[] = {
-        {&portable_int8_kernels, &portable_int8_pv8_kernels},
-        {&avx2_int8_kernels, &avx2_int8_pv8_kernels},
-        {&avx2_int8_emulated_kernels, &avx2_int8_emulated_pv8_kernels},
-        {&avx_vnni_kernels, &avx_vnni_pv8_kernels},
-        {&avx_vnni_emulated_kernels, &avx_vnni_emulated_pv8_kernels},
-        {&avx512_vnni_kernels, &avx512_vnni_pv8_kernels},
-        {&avx512_vnni_emulated_kernels, &avx512_vnni_emulated_pv8_kernels},
-        {&amx_int8_kernels, &avx512_vnni_pv8_kernels},
-        {&amx_int8_emulated_kernels, &avx512_vnni_emulated_pv8_kernels}};
-    for (const auto& [engine, kernels] : pv8)
-      if (e.kernels == engine) return kernels();
+  if (pv == PvDtype::int16 || pv == PvDtype::int8) {
+    // amx_int8's P.V is on bf16 tiles: an integer P.V is avx512_vnni's (the engine then reported).
+    using Kernels = const TileKernels& (*)();
+    struct IntegerPv {
+      Kernels engine, pv8, pv16;
+    };
+    const IntegerPv table[] = {
+        {&portable_int8_kernels, &portable_int8_pv8_kernels, &portable_int8_pv16_kernels},
+        {&avx2_int8_kernels, &avx2_int8_pv8_kernels, &avx2_int8_pv16_kernels},
+        {&avx2_int8_emulated_kernels, &avx2_int8_emulated_pv8_kernels,
+         &avx2_int8_emulated_pv16_kernels},
+        {&avx_vnni_kernels, &avx_vnni_pv8_kernels, &avx_vnni_pv16_kernels},
+        {&avx_vnni_emulated_kernels, &avx_vnni_emulated_pv8_kernels,
+         &avx_vnni_emulated_pv16_kernels},
+        {&avx512_vnni_kernels, &avx512_vnni_pv8_kernels, &avx512_vnni_pv16_kernels},
+        {&avx512_vnni_emulated_kernels, &avx512_vnni_emulated_pv8_kernels,
+         &avx512_vnni_emulated_pv16_kernels},
+        {&amx_int8_kernels, &avx512_vnni_pv8_kernels, &avx512_vnni_pv16_kernels},
+        {&amx_int8_emulated_kernels, &avx512_vnni_emulated_pv8_kernels,
+         &avx512_vnni_emulated_pv16_kernels}};
+    for (const IntegerPv& row : table)
+      if (e.kernels == row.engine) return pv == PvDtype::int8 ? row.pv8() : row.pv16();
     return e.kernels();
   }
   if (pv == PvDtype::f32) {
