@@ -7,8 +7,9 @@
                                                               joint_value=tv), return_lse=True)
     y = dattn.scaled_dot_product_attention(q, k, v, is_causal=True)   # PyTorch's semantics
 
-Importing dattn imports neither torch nor any host framework; dattn.torch_adapter (loaded on
-the first call on torch tensors) is where dattn meets PyTorch.
+Importing dattn imports neither torch nor any host framework; dattn.torch_layer (loaded on
+the first call on torch tensors) and dattn.torch_adapter (the SDPA drop-in, dattn.diffusers) are
+where dattn meets PyTorch.
 
 The compiled core (dattn._core) binds the C++ library; the rest is this pure-Python layer.
 """
@@ -44,7 +45,7 @@ def set_num_threads(threads):
     """The threads dattn's calls on torch tensors use: ``None`` (the default) follows
     ``torch.get_num_threads()`` (PyTorch's intra-op count, in every thread); an int >= 1 fixes
     it for dattn alone. Calls on numpy arrays use OpenMP's count (``OMP_NUM_THREADS``)."""
-    from .torch_adapter import set_num_threads as _set
+    from .torch_layer import set_num_threads as _set
 
     _set(threads)
 

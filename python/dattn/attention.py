@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _core
+from .layer_registry import LAYERS_BY_ID
 from .errors import InvalidArgument, InvalidArgumentType, _with_field, as_int
 from .metadata import metadata_dict
 from .tensors import empty_like_input, float32_like, is_torch, tensor_arg
@@ -52,11 +52,6 @@ def _backend_kwargs(kwargs) -> dict:
             v = as_int(v, f"backend_kwargs.{k}")  # numpy integers are integers
         out[k] = v
     return out
-
-
-#: Every live layer by id(): what the custom op ``dattn::forward`` names a layer by (a graph
-#: recorded with a layer runs while that layer lives).
-LAYERS_BY_ID: "weakref.WeakValueDictionary[int, Attention]" = weakref.WeakValueDictionary()
 
 
 class Attention:
@@ -168,7 +163,7 @@ class Attention:
         (``torch.compile``, ``torch.export``, ``torch.jit.trace``, fake tensors).
         """
         if is_torch(query):
-            from .torch_adapter import layer_forward
+            from .torch_layer import layer_forward
 
             return layer_forward(self, query, key, value, attn_metadata, return_lse, out)
         return self._forward_tensors(query, key, value, attn_metadata, return_lse, out, 0)
@@ -213,7 +208,7 @@ class Attention:
             lse = empty_like_input((heads, t), q, float32_like(q))
         threads = 0
         if is_torch(q):
-            from .torch_adapter import call_threads
+            from .torch_layer import call_threads
 
             threads = call_threads()
         self._layer.forward_paged(

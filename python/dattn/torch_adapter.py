@@ -40,55 +40,35 @@ import json
 import math
 import threading
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.overrides import handle_torch_function, has_torch_function
+from torch.overrides import handle_torch_function
 
-from . import _core
 from .backends import adapter_backend
-from .errors import InvalidArgument, NotAvailable, Unsupported, _with_field
+from .errors import NotAvailable, Unsupported, _with_field
+from .torch_layer import (  # noqa: F401 (re-exported: the adapter's users read them here)
+    CAUSAL_BOTTOM_RIGHT,
+    CAUSAL_NONE,
+    CAUSAL_TOP_LEFT,
+    _has_tangent,
+    _is_graph_tensor,
+    _plain_type,
+    call_threads,
+    dispatch_route,
+    empty,
+    forward_op,
+    layer_forward,
+    plain_keys,
+    resolved,
+    set_num_threads,
+    torch_function_active,
+)
 
 #: PyTorch's own kernel, whatever ``torch.nn.functional.scaled_dot_product_attention`` is now.
 PYTORCH_SDPA = torch._C._nn.scaled_dot_product_attention
 
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-#: causal modes of the ops: none, PyTorch's top-left (``is_causal``, CausalBias upper-left) and
-#: bottom-right (CausalBias lower-right, dattn's own default alignment).
-CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
-
-# The dispatch keys a plain dense CPU tensor may carry (inference-mode tensors carry fewer).
-_PLAIN_KEYS = torch._C._dispatch_keys(torch.empty(0, device="cpu")).raw_repr()
-_LAZY_KEYS = (
-    torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
-).raw_repr()
-
-
-# --- threads ---------------------------------------------------------------------------------
-
-_THREADS: Dict[str, Optional[int]] = {"override": None}
-
-
-def set_num_threads(threads: Optional[int]) -> None:
-    """The threads every dattn call on torch tensors uses: ``None`` (the default) follows
-    ``torch.get_num_threads()``, PyTorch's intra-op count, which ``torch.set_num_threads`` sets
-    for every thread; an int >= 1 fixes it for dattn alone."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or threads < 1):
-        raise _with_field(
-            InvalidArgument, f"threads: expected None or an int >= 1, got {threads!r:.80}",
-            "threads",
-        )
-    _THREADS["override"] = threads
-
-
-def call_threads() -> int:
-    """The thread count of the next call (see :func:`set_num_threads`)."""
-    override = _THREADS["override"]
-    return override if override is not None else torch.get_num_threads()
-
 
 # --- counters --------------------------------------------------------------------------------
 
@@ -190,114 +170,6 @@ def _layer(client: Client, layout: str, heads: int, kv_heads: int, head_size: in
         while len(_LAYERS) > _LAYERS_MAX:
             _LAYERS.popitem(last=False)
     return layer
-
-
-# --- tensors ---------------------------------------------------------------------------------
-
-
-def _plain_type(t) -> bool:
-    tf = getattr(type(t), "__torch_function__", None)
-    return type(t) in (torch.Tensor, torch.nn.Parameter) or tf is torch._C._disabled_torch_function_impl
-
-
-def torch_function_active(tensors) -> bool:
-    """Whether a call on ``tensors`` belongs to ``__torch_function__``: an argument's class
-    overrides it (a tensor subclass, an attention bias, a nested tensor) or a
-    ``TorchFunctionMode`` is active. ``torch.set_default_device``'s mode (DeviceContext) does not
-    count: it concerns factory functions only, and dattn allocates on its inputs' device."""
-    if not has_torch_function(tensors):
-        return False
-    if any(not _plain_type(t) for t in tensors):
-        return True
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    return any(not isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
-
-
-def plain_keys(t: torch.Tensor) -> bool:
-    """Whether ``t`` dispatches as a plain dense CPU tensor (no subclass, wrapper, lazy bit)."""
-    return torch._C._dispatch_keys(t).raw_repr() & ~_PLAIN_KEYS == 0
-
-
-def resolved(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with PyTorch's lazy negation / conjugation applied (a copy only where one is set)."""
-    if t.is_neg():
-        t = t.resolve_neg()
-    if t.is_conj():
-        t = t.resolve_conj()
-    return t
-
-
-def empty(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    """A new tensor on ``like``'s device (never the default device)."""
-    return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype,
-                       device=like.device)
-
-
-def _graph_modes_only() -> bool:
-    """Whether every active ``__torch_dispatch__`` mode is one of PyTorch's graph-capturing
-    ones (fake tensors, functionalization, proxy tracing for make_fx / export)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    try:
-        from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
-    except ImportError:  # pragma: no cover
-        ProxyTorchDispatchMode = FakeTensorMode
-    graph = (FakeTensorMode, FunctionalTensorMode, ProxyTorchDispatchMode)
-    return all(isinstance(m, graph) for m in _get_current_dispatch_mode_stack())
-
-
-def _is_graph_tensor(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return isinstance(t, (FakeTensor, FunctionalTensor))
-
-
-def _has_tangent(tensors) -> bool:
-    import torch.autograd.forward_ad as fwAD
-
-    if getattr(fwAD, "_current_level", -1) < 0:
-        return False
-    return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
-
-
-def dispatch_route(tensors: Sequence[torch.Tensor], trace_as_op: bool) -> Optional[str]:
-    """What PyTorch's dispatch state makes of a call on ``tensors`` (after the
-    ``__torch_function__`` check): None = dattn computes it here; ``"graph"`` = record the
-    custom op (fake tensors, a graph-capturing dispatch mode; TorchScript's tracer when
-    ``trace_as_op``); any other string = the reason it goes to PyTorch."""
-    if torch._C._get_tracing_state() is not None:
-        return "graph" if trace_as_op else "jit_trace"
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return "graph" if _graph_modes_only() else "dispatch_mode"
-    if torch._C._functorch.maybe_current_level() is not None:
-        return "functorch"
-    graph = False
-    for t in tensors:
-        keys = torch._C._dispatch_keys(t).raw_repr()
-        if keys & ~_PLAIN_KEYS == 0:
-            continue
-        if _is_graph_tensor(t):
-            graph = True
-            continue
-        if t.is_nested:
-            return "nested"
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return "functorch"
-        if t.device.type != "cpu":
-            return "device"
-        if t.layout != torch.strided:
-            return "layout"
-        if keys & ~(_PLAIN_KEYS | _LAZY_KEYS) == 0:
-            continue  # lazy negation / conjugation: resolved before dattn reads it
-        return "dispatch_keys"
-    if _has_tangent(tensors):
-        return "forward_ad"
-    return "graph" if graph else None
 
 
 # --- PyTorch's answer, for what dattn hands back inside a computation ---------------------------
@@ -473,130 +345,6 @@ def _sdpa_fake(query, key, value, attn_mask, causal, scale, enable_gqa, layout, 
     else:
         lse_shape = tuple(query.shape[:-1])
     return out, query.new_empty(lse_shape, dtype=torch.float32)
-
-
-def _op_layer(layer: int):
-    from .attention import LAYERS_BY_ID
-
-    attn = LAYERS_BY_ID.get(layer)
-    if attn is None:
-        raise _with_field(
-            Unsupported,
-            f"dattn::forward: layer {layer} is not alive in this process (a dattn.Attention "
-            f"call recorded in a graph runs while its layer lives)",
-            "layer",
-        )
-    return attn
-
-
-
-@torch.library.custom_op("dattn::forward", mutates_args=(), device_types="cpu")
-def forward_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    tensors: List[torch.Tensor],
-    layer: int,
-    call: str,
-    return_lse: bool,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A :class:`dattn.Attention` call (the layer by its op id, the metadata as JSON with its
-    tensors in ``tensors``). Returns (out, lse): lse empty unless ``return_lse``."""
-    attn = _op_layer(layer)
-    meta = _meta_from_json(call, tensors)
-    result = attn._forward_tensors(query, key, value, meta, return_lse, None, call_threads())
-    out, lse = result if return_lse else (result, None)
-    if lse is None:
-        lse = query.new_empty((0,), dtype=torch.float32)
-    return out, lse
-
-
-@forward_op.register_fake
-def _forward_fake(query, key, value, tensors, layer, call, return_lse):
-    attn = _op_layer(layer)
-    data = json.loads(call) or {}
-    jq = data.get("joint_query")
-    joint = tensors[jq["__tensor__"]] if isinstance(jq, dict) else None
-    out_shape, lse_shape = attn._shapes(query, value, attn._joint_rows_of(joint))
-    out = query.new_empty(out_shape if out_shape else (0,))
-    lse = query.new_empty(lse_shape if (return_lse and lse_shape) else (0,), dtype=torch.float32)
-    return out, lse
-
-
-def _meta_to_json(meta, tensors: List[torch.Tensor]) -> str:
-    """``meta`` (any AttentionMetadata-like object or mapping) as JSON, its tensors appended to
-    ``tensors`` and named by index. Raises Unsupported for a value JSON cannot carry."""
-    from .metadata import metadata_dict
-
-    def collect(t, name):
-        tensors.append(t)
-        return {"__tensor__": len(tensors) - 1}
-
-    d = metadata_dict(meta, collect)
-    try:
-        return _dumps(d)
-    except TypeError as e:
-        raise _with_field(
-            Unsupported,
-            f"attn_metadata: a value of it cannot be recorded in a graph ({e}); pass plain "
-            f"ints, floats, strings and tensors",
-            "attn_metadata",
-        ) from None
-
-
-@torch._dynamo.assume_constant_result
-def _dumps(d) -> str:
-    """JSON of constants; dynamo evaluates it while tracing (the result is a constant)."""
-    return json.dumps(d)
-
-
-def _meta_from_json(call: str, tensors) -> Optional[dict]:
-    from .tensors import tensor_arg
-
-    def restore(x, name=""):
-        if isinstance(x, dict):
-            if set(x) == {"__tensor__"}:
-                return tensor_arg(tensors[x["__tensor__"]], name)
-            return {k: restore(v, k) for k, v in x.items()}
-        if isinstance(x, list):
-            return [restore(v, name) for v in x]
-        return x
-
-    data = json.loads(call)
-    return None if data is None else restore(data)
-
-
-def layer_forward(attn, query, key, value, attn_metadata, return_lse: bool, out):
-    """:meth:`dattn.Attention.forward` on torch tensors: computed here, or as ``dattn::forward``
-    where a graph is being traced or compiled. dattn's own API has no PyTorch function to hand
-    back to: vmap, forward-mode AD, nested tensors and other dispatch subclasses are refused
-    with :class:`dattn.Unsupported` naming the feature."""
-    tensors = [t for t in (query, key, value, out) if isinstance(t, torch.Tensor)]
-    graph = torch.compiler.is_compiling()
-    if not graph:
-        route = dispatch_route(tensors, trace_as_op=True)
-        if route in ("device", "layout"):
-            route = None  # the core names the tensor and its device or layout
-        if route not in (None, "graph"):
-            raise _with_field(
-                Unsupported,
-                f"query: dattn.Attention does not compute under {route} (it has no PyTorch "
-                f"function to hand the call to); use torch.nn.functional."
-                f"scaled_dot_product_attention there",
-                "query",
-            )
-        graph = route == "graph"
-    if not graph:
-        return attn._forward_tensors(query, key, value, attn_metadata, return_lse, out,
-                                     call_threads())
-    if out is not None:
-        raise _with_field(
-            Unsupported, "out: an output buffer cannot be recorded in a graph; drop out=", "out"
-        )
-    meta_tensors: List[torch.Tensor] = []
-    call = "null" if attn_metadata is None else _meta_to_json(attn_metadata, meta_tensors)
-    o, lse = forward_op(query, key, value, meta_tensors, id(attn), call, return_lse)
-    return (o, lse) if return_lse else o
 
 
 # --- PyTorch's SDPA signature ---------------------------------------------------------------
@@ -802,57 +550,6 @@ def serve_sdpa(client: Client, public: Callable, original: Callable, args, kwarg
     return _compute(client, bound, "BHSD", causal, route == "graph")
 
 
-def serve_dispatch(client: Client, original: Callable, signature, args, kwargs):
-    """diffusers' ``dispatch_attention_fn(*args, **kwargs)`` (BSHD tensors, diffusers' native
-    mask rule: a 2-D ``[B, Skv]`` mask is a key mask) for ``client``; what dattn does not serve
-    goes to ``original`` (whatever backend diffusers would use)."""
-    compiling = torch.compiler.is_compiling()
-    try:
-        a = signature.bind(*args, **kwargs).arguments
-    except TypeError:
-        _count(client, "arguments", compiling)
-        return original(*args, **kwargs)
-    parallel = a.get("parallel_config")
-    if a.get("attention_kwargs"):
-        reason = "attention_kwargs"
-    else:
-        reason = None
-    q, k, v, mask = a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask")
-    if reason is None and (not all(isinstance(t, torch.Tensor) for t in (q, k, v))
-                           or not (mask is None or isinstance(mask, torch.Tensor))):
-        reason = "arguments"
-    if reason is None and not compiling and torch_function_active(
-            tuple(t for t in (q, k, v, mask) if t is not None)):
-        reason = "torch_function"
-    if reason is None and not compiling:
-        route = dispatch_route([t for t in (q, k, v, mask) if t is not None], trace_as_op=False)
-        reason = route if route not in (None, "graph") else None
-        graph = route == "graph"
-    else:
-        graph = compiling
-    if reason is None:
-        if (mask is not None and mask.dim() == 2 and q.dim() == 4
-                and mask.shape[0] == q.shape[0] and mask.shape[1] == k.shape[1]):
-            mask = mask[:, None, None, :]  # diffusers' native rule: [B, Skv] keys
-        bound = {"query": q, "key": k, "value": v, "attn_mask": mask,
-                 "dropout_p": a.get("dropout_p", 0.0), "is_causal": a.get("is_causal", False),
-                 "scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False)}
-        reason = _eager_reason(bound, "BSHD", not compiling)
-    if reason is None and parallel is not None:
-        # diffusers' context parallelism: its ring / Ulysses machinery with dattn's forward op
-        # (the named backend's, dattn.diffusers_backend), merging the ranks' (out, lse) itself.
-        from .diffusers_backend import context_parallel_attention
-
-        return context_parallel_attention(
-            client, q, k, v, a.get("attn_mask"), bound["dropout_p"], bound["is_causal"],
-            bound["scale"], bound["enable_gqa"], False, parallel)
-    if reason is not None:
-        _count(client, reason, compiling)
-        return original(*args, **kwargs)
-    causal = CAUSAL_TOP_LEFT if bound["is_causal"] else CAUSAL_NONE
-    return _compute(client, bound, "BSHD", causal, graph)
-
-
 def torch_function_target(public: Callable, tensors) -> Callable:
     """The function ``__torch_function__`` handlers are given for an SDPA call: ``public``
     (``torch.nn.functional.scaled_dot_product_attention`` as bound now, what a user's override
@@ -1015,7 +712,8 @@ class SdpaPatchState:
 def _serve_sdpa_hook(hook: Hook, *args, **kwargs):
     handle = marked_handle()
     if handle is not None and handle.active:
-        return serve_sdpa(handle.client, hook.wrapper, hook.original, args, kwargs)
+        # A dattn.diffusers handle decides per call (its grid calls, FLASH for the rest).
+        return handle.serve_sdpa(hook.wrapper, hook.original, args, kwargs)
     patches = SdpaPatchState.handles
     if patches:
         return serve_sdpa(patches[-1].client, hook.wrapper, hook.original, args, kwargs)

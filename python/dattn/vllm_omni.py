@@ -301,6 +301,83 @@ def _declared_options(backend: Optional[str]):
     return get_backend(Attention(1, 64, backend=backend).backend_name).options
 
 
+def _layer_index(prefix: str) -> Optional[int]:
+    """The layer index in a module prefix such as "transformer_blocks.3.attn1" (the one integer
+    among its dotted parts, as the engine's ``extract_layer_index`` reads it), or None."""
+    ints = [int(p) for p in (prefix or "").split(".") if p.isdigit()]
+    return ints[0] if len(ints) == 1 else None
+
+
+def _denoise_step() -> Optional[int]:
+    """The engine's current denoising step (its forward context's ``denoise_step_idx``)."""
+    fc = sys.modules.get("vllm_omni.diffusion.forward_context")
+    if fc is None:
+        return None
+    try:
+        if not fc.is_forward_context_available():
+            return None
+        step = fc.get_forward_context().denoise_step_idx
+        return None if step is None else int(step)
+    except Exception:  # a context of another shape: no step known
+        return None
+
+
+class _StepPolicy:
+    """VIDEO_SPARSE's step policy in the engine's layer: dense on FLASH for the first
+    ``dense_steps`` steps and ``dense_layers`` layers, the block selection kept per (layer,
+    CFG branch) and reused for ``refresh_steps`` steps. An unknown step (no forward context)
+    or layer (no index in the prefix) never makes a call dense, and an unknown step never
+    reuses. The calls of one layer within one step are its CFG branches in call order."""
+
+    def __init__(self, policy: dict, flash_options: dict, layer_index: Optional[int]):
+        from .sparse_steps import SelectionCache
+
+        self.policy = policy
+        self.flash_options = flash_options
+        self.layer_index = layer_index
+        self.cache = SelectionCache(policy)
+        self._dense: Dict[Tuple[int, int], Attention] = {}
+        self._step: Optional[int] = None
+        self._branch = 0
+
+    def _dense_layer(self, impl, layer: Attention) -> Attention:
+        key = (layer.num_heads, layer.num_kv_heads)
+        dense = self._dense.get(key)
+        if dense is None:
+            args = dict(impl._layer_args, backend="FLASH", backend_kwargs=self.flash_options,
+                        allow_fallback=False)
+            dense = self._dense[key] = Attention(
+                layer.num_heads, layer.head_size, softmax_scale=layer.softmax_scale,
+                causal=impl.causal, num_kv_heads=layer.num_kv_heads, **args)
+        return dense
+
+    def forward(self, impl, layer: Attention, query, key, value, meta, output):
+        from .sparse_steps import is_dense
+        from .tensors import is_torch
+
+        step = _denoise_step()
+        if step is None or step != self._step:
+            self._step, self._branch = step, 0
+        else:
+            self._branch += 1
+        if step is not None and step == 0 and self._branch == 0:
+            self.cache.clear()  # step 0: a new generation
+        if is_dense(self.policy, step, self.layer_index):
+            return self._dense_layer(impl, layer).forward(query, key, value, meta, out=output)
+        threads = 0
+        if is_torch(query):
+            from .torch_layer import call_threads
+
+            threads = call_threads()
+        out, _ = self.cache.sparse_call(layer, query, key, value, meta, step=step,
+                                        layer_index=self.layer_index or 0,
+                                        branch=self._branch, threads=threads)
+        if output is not None:
+            output[...] = out
+            return output
+        return out
+
+
 class DattnAttentionImpl(_ImplBase):
     """One attention layer of the engine, computed by :class:`dattn.Attention` layers.
 
@@ -368,6 +445,15 @@ class DattnAttentionImpl(_ImplBase):
     ) -> None:
         options = dict(backend_kwargs or {})
         backend, allow_fallback = adapter_backend(options.pop("backend", None))
+        #: VIDEO_SPARSE's step policy (dense_steps, dense_layers, refresh_steps,
+        #: max_selection_mb): the step from the engine's forward context, the layer from the
+        #: prefix (docs/semantics.md, "VIDEO_SPARSE in diffusers' video models"); None otherwise.
+        self._steps: Optional[_StepPolicy] = None
+        if backend == "VIDEO_SPARSE":
+            from .sparse_steps import split_options
+
+            policy, options, flash = split_options(options)
+            self._steps = _StepPolicy(policy, flash, _layer_index(prefix))
         declared = _declared_options(backend)
         #: backend_kwargs keys the chosen dattn backend does not take (the engine's other
         #: backends' keys), left out of its layers.
@@ -438,6 +524,9 @@ class DattnAttentionImpl(_ImplBase):
         included, in joint-strategy order, where dattn attaches them)."""
         layer = self._layer_for(query, key)
         meta = self._call_metadata(query, key, attn_metadata)
+        if (self._steps is not None and _get(meta, "video_layout") is not None
+                and self.layer.layout == "BSHD"):
+            return self._steps.forward(self, layer, query, key, value, meta, output)
         return layer.forward(query, key, value, meta, out=output)
 
     # --- heads ---------------------------------------------------------------------------

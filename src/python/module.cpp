@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -30,6 +31,7 @@
 #include "dattn/paged.hpp"
 #include "dattn/registry.hpp"
 #include "dattn/threads.hpp"
+#include "dattn/video_sparse.hpp"
 
 namespace py = pybind11;
 
@@ -165,14 +167,38 @@ std::optional<i64> optional_int(const py::dict& d, const char* key, const std::s
 
 // A value of the opaque per-backend slot; nullopt for a type no backend can read (ignored,
 // as SPEC's extra requires).
-std::optional<OptionValue> option_value(const py::handle& v, const std::string& field, Keep& keep) {
+// A backend option's value. `strict` (a layer's backend_kwargs): a value of no option type is an
+// error naming it; else (the call's opaque extra slot, which carries other backends' keys too)
+// it is left out.
+std::optional<OptionValue> option_value(const py::handle& v, const std::string& field, Keep& keep,
+                                        bool strict) {
   if (py::isinstance<py::bool_>(v)) return OptionValue(v.cast<bool>());
   if (py::isinstance<py::int_>(v)) return OptionValue(v.cast<i64>());
   if (py::isinstance<py::float_>(v)) return OptionValue(v.cast<double>());
   if (py::isinstance<py::str>(v)) return OptionValue(v.cast<std::string>());
   if (py::hasattr(v, "__dlpack__") || py::hasattr(v, "__array_interface__"))
     return OptionValue(tensor_arg(v, field, keep));
-  return std::nullopt;
+  if (py::isinstance<py::tuple>(v) || py::isinstance<py::list>(v)) {
+    const auto seq = py::reinterpret_borrow<py::sequence>(v);
+    // (uint8 view, "bool"): how the Python layer passes a bool tensor.
+    if (py::isinstance<py::tuple>(v) && seq.size() == 2 && py::isinstance<py::str>(seq[1]) &&
+        seq[1].cast<std::string>() == "bool")
+      return OptionValue(tensor_arg(v, field, keep));
+    // A sequence of ints, such as tile = (1, 2, 2): the option's "1,2,2" form.
+    std::string joined;
+    for (const auto& x : seq) {
+      if (py::isinstance<py::bool_>(x) || !py::isinstance<py::int_>(x)) {
+        if (!strict) return std::nullopt;
+        invalid(field, "a sequence option holds ints only, such as (1, 2, 2); got " +
+                           std::string(py::repr(v)));
+      }
+      joined += (joined.empty() ? "" : ",") + std::to_string(x.cast<i64>());
+    }
+    return OptionValue(joined);
+  }
+  if (v.is_none() || !strict) return std::nullopt;
+  invalid(field, "expected a bool, int, float, string, sequence of ints or tensor, got " +
+                     std::string(py::str(py::type::of(v))));
 }
 
 BackendOptions options_from(const py::handle& obj, const std::string& field, Keep& keep) {
@@ -180,7 +206,7 @@ BackendOptions options_from(const py::handle& obj, const std::string& field, Kee
   if (obj.is_none()) return out;
   for (const auto& [k, v] : obj.cast<py::dict>()) {
     const std::string key = py::str(k);
-    if (auto value = option_value(v, field + "." + key, keep)) out.emplace(key, *value);
+    if (auto value = option_value(v, field + "." + key, keep, true)) out.emplace(key, *value);
   }
   return out;
 }
@@ -271,7 +297,7 @@ AttentionMetadata metadata_from(const py::handle& obj, Keep& keep) {
           e.attention_mask_mode = parse_attention_mask_mode(as<std::string>(v, field, "a string"));
       } else if (key == "laser_input_scale") {
         if (!v.is_none()) e.laser_input_scale = as<double>(v, field, "a number");
-      } else if (auto value = option_value(v, field, keep)) {
+      } else if (auto value = option_value(v, field, keep, false)) {
         e.backend.emplace(key, *value);  // opaque slot: unknown keys are the backend's business
       }
     }
@@ -334,6 +360,49 @@ class Layer {
   }
 
   void forward_paged(const py::dict& call, const py::handle& cache_obj) const;
+
+  // The block selection VIDEO_SPARSE makes for this call (the layer's options, the call's extra
+  // over them), without computing the attention: {"shape": (B|1, Hq|1, query blocks, key
+  // blocks), "block_map": bytes (one 0/1 byte per block pair, row-major in that shape),
+  // "sparsity": fraction of the used (query, key) row pairs not computed, "video_blocks": the
+  // sparse blocks of the tiling}. What dattn.diffusers reuses across denoising steps.
+  py::dict video_sparse_selection(const py::handle& q, const py::handle& k, const py::handle& v,
+                                  const py::handle& metadata, const py::handle& out,
+                                  int threads) const {
+    Keep keep;
+    const TensorView qv = tensor_arg(q, "query", keep), kv = tensor_arg(k, "key", keep),
+                     vv = tensor_arg(v, "value", keep);
+    const TensorView ov = tensor_arg(out, "out", keep, true);
+    const AttentionMetadata meta = metadata_from(metadata, keep);
+    std::string bytes;
+    std::array<i64, 4> shape{};
+    double sparsity = 0;
+    i64 video_blocks = 0;
+    {
+      py::gil_scoped_release release;
+      const ScopedThreads scoped(threads);
+      const VideoSparseSelection s = dattn::video_sparse_selection(
+          layer_.config(), AttentionInputs{qv, kv, vv, &meta, ov, {}});
+      const BlockMap& m = s.map;
+      shape = {m.batch_stride == 0 ? 1 : m.batch, m.head_stride == 0 ? 1 : m.heads, m.query_blocks,
+               m.key_blocks};
+      bytes.assign(std::size_t(shape[0] * shape[1] * shape[2] * shape[3]), '\0');
+      for (i64 b = 0; b < shape[0]; ++b)
+        for (i64 h = 0; h < shape[1]; ++h)
+          for (i64 qb = 0; qb < shape[2]; ++qb) {
+            char* row = bytes.data() + ((b * shape[1] + h) * shape[2] + qb) * shape[3];
+            for (const std::int32_t kb : m.selected(b, h, qb)) row[kb] = 1;
+          }
+      sparsity = m.sparsity(s.tiling.queries, s.tiling.keys);
+      video_blocks = s.tiling.queries.video_blocks();
+    }
+    py::dict d;
+    d["shape"] = py::make_tuple(shape[0], shape[1], shape[2], shape[3]);
+    d["block_map"] = py::bytes(bytes);
+    d["sparsity"] = sparsity;
+    d["video_blocks"] = video_blocks;
+    return d;
+  }
 
   std::string backend_name() const { return layer_.backend().name(); }
   std::string last_engine() const { return layer_.last_engine(); }
@@ -511,6 +580,8 @@ PYBIND11_MODULE(_core, m) {
       .def("forward_into", &Layer::forward_into, py::arg("q"), py::arg("k"), py::arg("v"),
            py::arg("metadata"), py::arg("out"), py::arg("lse"), py::arg("threads") = 0)
       .def("forward_paged", &Layer::forward_paged)
+      .def("video_sparse_selection", &Layer::video_sparse_selection, py::arg("q"), py::arg("k"),
+           py::arg("v"), py::arg("metadata"), py::arg("out"), py::arg("threads") = 0)
       .def_property_readonly("backend_name", &Layer::backend_name)
       .def_property_readonly("last_engine", &Layer::last_engine)
       .def_property_readonly("selection", &Layer::selection)

@@ -1,4 +1,4 @@
-"""dattn as the attention of one Hugging Face diffusers model.
+"""The model handle of :mod:`dattn.diffusers`: dattn as the attention of one diffusers model.
 
     import dattn.diffusers
     handle = dattn.diffusers.enable(transformer)        # this model's attention runs on dattn
@@ -48,14 +48,13 @@ or is inside, an enabled one is refused.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import InvalidArgument, Unsupported, _with_field
+from ..errors import InvalidArgument, Unsupported, _with_field
 
 try:
     import torch
@@ -69,7 +68,7 @@ _LOCK = threading.RLock()
 
 
 def _serve_dispatch(hook, *args, **kwargs):
-    from . import torch_adapter as ta
+    from .. import torch_adapter as ta
 
     handle = ta.marked_handle()
     if handle is None or not handle.active:
@@ -77,7 +76,97 @@ def _serve_dispatch(hook, *args, **kwargs):
     signature = _SIGNATURES.get(id(hook))
     if signature is None:
         signature = _SIGNATURES[id(hook)] = inspect.signature(hook.original)
-    return ta.serve_dispatch(handle.client, hook.original, signature, args, kwargs)
+    if handle.video is not None and handle.video.in_grid_module():
+        return _serve_grid_dispatch(handle, hook.original, signature, args, kwargs)
+    return serve_dispatch(handle.client, hook.original, signature, args, kwargs)
+
+
+def serve_dispatch(client, original, signature, args, kwargs):
+    """diffusers' ``dispatch_attention_fn(*args, **kwargs)`` (BSHD tensors, diffusers' native
+    mask rule: a 2-D ``[B, Skv]`` mask is a key mask) for ``client``; what dattn does not serve
+    goes to ``original`` (whatever backend diffusers would use)."""
+    from .. import torch_adapter as ta
+
+    compiling = torch.compiler.is_compiling()
+    try:
+        a = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        ta._count(client, "arguments", compiling)
+        return original(*args, **kwargs)
+    parallel = a.get("parallel_config")
+    if a.get("attention_kwargs"):
+        reason = "attention_kwargs"
+    else:
+        reason = None
+    q, k, v, mask = a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask")
+    if reason is None and (not all(isinstance(t, torch.Tensor) for t in (q, k, v))
+                           or not (mask is None or isinstance(mask, torch.Tensor))):
+        reason = "arguments"
+    if reason is None and not compiling and ta.torch_function_active(
+            tuple(t for t in (q, k, v, mask) if t is not None)):
+        reason = "torch_function"
+    if reason is None and not compiling:
+        route = ta.dispatch_route([t for t in (q, k, v, mask) if t is not None], trace_as_op=False)
+        reason = route if route not in (None, "graph") else None
+        graph = route == "graph"
+    else:
+        graph = compiling
+    if reason is None:
+        if (mask is not None and mask.dim() == 2 and q.dim() == 4
+                and mask.shape[0] == q.shape[0] and mask.shape[1] == k.shape[1]):
+            mask = mask[:, None, None, :]  # diffusers' native rule: [B, Skv] keys
+        bound = {"query": q, "key": k, "value": v, "attn_mask": mask,
+                 "dropout_p": a.get("dropout_p", 0.0), "is_causal": a.get("is_causal", False),
+                 "scale": a.get("scale"), "enable_gqa": a.get("enable_gqa", False)}
+        reason = ta._eager_reason(bound, "BSHD", not compiling)
+    if reason is None and parallel is not None:
+        # diffusers' context parallelism: its ring / Ulysses machinery with dattn's forward op
+        # (the named backend's, dattn.diffusers_backend), merging the ranks' (out, lse) itself.
+        from .backend import context_parallel_attention
+
+        return context_parallel_attention(
+            client, q, k, v, a.get("attn_mask"), bound["dropout_p"], bound["is_causal"],
+            bound["scale"], bound["enable_gqa"], False, parallel)
+    if reason is not None:
+        ta._count(client, reason, compiling)
+        return original(*args, **kwargs)
+    causal = ta.CAUSAL_TOP_LEFT if bound["is_causal"] else ta.CAUSAL_NONE
+    return ta._compute(client, bound, "BSHD", causal, graph)
+
+
+
+
+def _serve_grid_dispatch(handle, original, signature, args, kwargs):
+    """A ``dispatch_attention_fn`` call of an attention module over the video grid."""
+    try:
+        a = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return original(*args, **kwargs)  # diffusers' own TypeError
+    for name in ("attention_kwargs", "parallel_config"):
+        if a.get(name):
+            raise _with_field(
+                Unsupported,
+                f"{name}: VIDEO_SPARSE does not serve a grid call with {name} (dattn.diffusers "
+                f"does not hand grid calls to another backend)", name)
+    return handle.video.serve(
+        a.get("query"), a.get("key"), a.get("value"), a.get("attn_mask"),
+        scale=a.get("scale"), is_causal=a.get("is_causal", False),
+        dropout_p=a.get("dropout_p", 0.0), enable_gqa=a.get("enable_gqa", False), bhsd=False,
+        dense=lambda: serve_dispatch(handle.client, original, signature, args, kwargs))
+
+
+def _serve_grid_sdpa(handle, public, original, args, kwargs):
+    """An ``F.scaled_dot_product_attention`` call (BHSD) of a module over the video grid."""
+    from .. import torch_adapter as ta
+
+    bound = ta.bind_sdpa(args, kwargs)
+    if bound is None:
+        return original(*args, **kwargs)  # PyTorch's own TypeError
+    return handle.video.serve(
+        bound["query"], bound["key"], bound["value"], bound.get("attn_mask"),
+        scale=bound.get("scale"), is_causal=bound.get("is_causal", False),
+        dropout_p=bound.get("dropout_p", 0.0), enable_gqa=bound.get("enable_gqa", False),
+        bhsd=True, dense=lambda: ta.serve_sdpa(handle.client, public, original, args, kwargs))
 
 
 _SIGNATURES: Dict[int, inspect.Signature] = {}
@@ -111,8 +200,9 @@ class _MarkedForward:
     an instance forward someone set before). It holds the module weakly, so a handle never
     keeps its model alive. A copy (deepcopy, pickle) is plain."""
 
-    def __init__(self, handle, module, previous):
+    def __init__(self, handle, module, previous, grid: bool = False):
         self._handle = handle
+        self._grid = grid  # an attention module over the video grid (VIDEO_SPARSE handles)
         self._module = weakref.ref(module)
         self._previous = previous
         self._forward = type(module).forward  # the class's function (no reference to module)
@@ -125,15 +215,20 @@ class _MarkedForward:
         return self._forward(self._module(), *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        from . import torch_adapter as ta
+        from .. import torch_adapter as ta
 
         handle = self._handle
         if not handle.active:
             return self._inner(args, kwargs)
+        video = handle.video
         ta.push_mark(handle)
+        if video is not None:
+            video.enter_module(self._grid)
         try:
             return self._inner(args, kwargs)
         finally:
+            if video is not None:
+                video.leave_module()
             ta.pop_mark()
 
     def __reduce__(self):
@@ -174,11 +269,22 @@ class DiffusersHandle:
     on leaving a ``with`` block)."""
 
     def __init__(self, model, backend: Optional[str], backend_kwargs: Optional[dict]):
-        from . import torch_adapter as ta
+        from .. import torch_adapter as ta
+
+        from ..backends import adapter_backend
 
         self._model = weakref.ref(model)
         self._model_name = type(model).__name__
-        self.client = ta.Client("dattn.diffusers", backend, backend_kwargs)
+        #: The VIDEO_SPARSE side (geometry, step policy, selections), or None.
+        self.video = None
+        if adapter_backend(backend)[0] == "VIDEO_SPARSE":
+            from .video import VideoSparsity
+
+            self.video = VideoSparsity(model, backend_kwargs)
+            self.client = self.video.flash  # FLASH for every call that is not over the grid
+        else:
+            self.client = ta.Client("dattn.diffusers", backend, backend_kwargs)
+        self._pre_hook = None
         self.active = False
         self.modules: List[str] = []
         self.routes: Dict[str, Tuple[str, ...]] = {}
@@ -199,8 +305,47 @@ class DiffusersHandle:
 
     @property
     def backend_name(self) -> str:
-        """The dattn backend the handle's layers are built with (e.g. "FLASH")."""
-        return self.client.backend
+        """The dattn backend the handle's layers are built with (e.g. "FLASH"; "VIDEO_SPARSE"
+        for the grid calls of a video model, whose other calls run on FLASH)."""
+        return "VIDEO_SPARSE" if self.video is not None else self.client.backend
+
+    # -- VIDEO_SPARSE (docs/video.md) --
+
+    def _video_or_raise(self, what: str):
+        if self.video is None:
+            raise _with_field(
+                InvalidArgument,
+                f"backend: {what} reports VIDEO_SPARSE's steps; this handle runs "
+                f"{self.client.backend}", "backend")
+        return self.video
+
+    def stats(self) -> List[dict]:
+        """Per denoising step (the last 512 kept), oldest first: ``{"generation", "step",
+        "timestep", "calls": [...]}``, each grid call ``{"layer", "branch", "layout", "rows",
+        "heads", "mode": "dense" | "sparse", "block_sparsity", "selection_seconds", "reused",
+        "selection_step" (sparse: the step whose selection ran), "seconds"}``."""
+        return self._video_or_raise("stats()").stats()
+
+    def reset(self) -> None:
+        """Starts a new generation: the next forward is step 0, no selection is reused."""
+        self._video_or_raise("reset()").reset()
+
+    def selection_memory(self) -> int:
+        """Bytes the kept block selections take now (bounded by ``max_selection_mb``)."""
+        return self._video_or_raise("selection_memory()").selection_memory()
+
+    def selection(self, layer: int, branch: int = 0):
+        """The kept block map of grid call ``layer`` of CFG ``branch`` (bool ``[B|1, H|1, query
+        blocks, key blocks]``), or None (nothing kept: ``refresh_steps`` 1, or not yet)."""
+        return self._video_or_raise("selection()").selection(layer, branch)
+
+    def serve_sdpa(self, public, original, args, kwargs):
+        """An ``F.scaled_dot_product_attention`` call made inside this model's attention."""
+        from .. import torch_adapter as ta
+
+        if self.video is not None and self.video.in_grid_module():
+            return _serve_grid_sdpa(self, public, original, args, kwargs)
+        return ta.serve_sdpa(self.client, public, original, args, kwargs)
 
     @property
     def engines(self) -> List[str]:
@@ -208,7 +353,7 @@ class DiffusersHandle:
         return self.client.engines()
 
     def _enable(self, model):
-        from . import torch_adapter as ta
+        from .. import torch_adapter as ta
 
         modules = _attention_modules(model)
         if not modules:
@@ -250,7 +395,8 @@ class DiffusersHandle:
                         routes.append("scaled_dot_product_attention")
                     self.routes[name] = tuple(routes)
                     if routes:
-                        self._wrap_forward(module)
+                        grid = self.video is not None and self.video.geometry.grid_module(name)
+                        self._wrap_forward(module, grid)
                         self.modules.append(name)
                 if not self.modules:
                     kinds = sorted({type(m.processor).__name__ for _, m in modules})
@@ -262,6 +408,16 @@ class DiffusersHandle:
                         f"(processors: {', '.join(kinds)}); dattn cannot serve this model",
                         "model",
                     )
+                if self.video is not None:
+                    grid_modules = [n for n in self.modules if self.video.geometry.grid_module(n)]
+                    if not grid_modules:
+                        raise _with_field(
+                            InvalidArgument,
+                            f"model: {type(model).__name__} has no attention module over the "
+                            f"video grid that dattn can serve; VIDEO_SPARSE has nothing to do",
+                            "model")
+                    self._pre_hook = model.register_forward_pre_hook(
+                        _GridHook(self.video), with_kwargs=True)
                 _Handles.by_model[model] = self
                 # A model dropped while enabled: its hooks are released with it.
                 self._finalizer = weakref.finalize(model, _released, weakref.ref(self))
@@ -271,13 +427,16 @@ class DiffusersHandle:
                 raise
         return self
 
-    def _wrap_forward(self, module):
+    def _wrap_forward(self, module, grid: bool = False):
         previous = module.__dict__.get("forward", _MISSING)
-        ours = _MarkedForward(self, module, None if previous is _MISSING else previous)
+        ours = _MarkedForward(self, module, None if previous is _MISSING else previous, grid)
         module.__dict__["forward"] = ours
         self._forwards.append((weakref.ref(module), previous, weakref.ref(ours)))
 
     def _undo(self):
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
         for module_ref, previous, ours_ref in reversed(self._forwards):
             module, ours = module_ref(), ours_ref()
             if module is not None and ours is not None and module.__dict__.get("forward") is ours:
@@ -324,6 +483,33 @@ class DiffusersHandle:
 
 
 _MISSING = object()
+
+
+class _GridHook:
+    """The model's forward pre-hook under a VIDEO_SPARSE handle (its grid and step). Holds the
+    handle's state weakly; a copy (deepcopy, pickle) of the model gets an inert one."""
+
+    def __init__(self, video):
+        self._video = weakref.ref(video)
+
+    def __call__(self, module, args, kwargs):
+        video = self._video()
+        if video is not None:
+            video.before_forward(module, args, kwargs)
+        return None
+
+    def __reduce__(self):
+        return (_InertHook, ())
+
+    def __deepcopy__(self, memo):
+        return _InertHook()
+
+
+class _InertHook:
+    """What a copied or unpickled model keeps of a VIDEO_SPARSE handle's pre-hook: nothing."""
+
+    def __call__(self, module, args, kwargs):
+        return None
 
 
 def _released(handle_ref) -> None:
@@ -379,7 +565,7 @@ def register() -> list:
     "dattn_sage" (SAGE) to diffusers, so that ``model.set_attention_backend("dattn")`` and
     ``with attention_backend("dattn"):`` work; idempotent (importing dattn.diffusers calls it
     where diffusers is installed). Returns the names."""
-    from . import diffusers_backend
+    from . import backend as diffusers_backend
 
     return diffusers_backend.register()
 
@@ -387,21 +573,21 @@ def register() -> list:
 def unregister() -> None:
     """Removes dattn's names from diffusers (nothing if absent); diffusers' own backends are
     untouched. Reset models set to a dattn name first (``model.reset_attention_backend()``)."""
-    from . import diffusers_backend
+    from . import backend as diffusers_backend
 
     diffusers_backend.unregister()
 
 
 def registered() -> bool:
     """Whether dattn's names are registered with diffusers now."""
-    from . import diffusers_backend
+    from . import backend as diffusers_backend
 
     return diffusers_backend.registered()
 
 
 def backend_client(name: str = "dattn"):
     """The counters of a named backend: ``.calls``, ``.fallbacks`` (by reason), ``.engines()``."""
-    from . import diffusers_backend
+    from . import backend as diffusers_backend
 
     return diffusers_backend.backend_client(name)
 
@@ -415,7 +601,7 @@ def enable_parallelism(model, config, cp_plan=None):
     ``dattn.diffusers.enable(model)``). Typed errors (:class:`dattn.InvalidArgument`) name a
     degree that does not match the world size or divide the heads, and differing input dtypes
     between ranks (checked at each forward on every rank). docs/python.md has the steps."""
-    from . import diffusers_backend
+    from . import backend as diffusers_backend
 
     return diffusers_backend.enable_parallelism(model, config, cp_plan)
 
@@ -439,6 +625,3 @@ def _register_at_import() -> None:
         return
     register()
 
-
-if torch is not None:
-    _register_at_import()
