@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <optional>
 #include <random>
@@ -194,6 +195,39 @@ TEST(Flash, LargeLogitsAndFullyMaskedRowsNeverGiveNaN) {
   EXPECT_FALSE(d.nan);
   EXPECT_LE(d.normwise_rel, 1e-5);
   EXPECT_EQ(got.lse->data_as<float>()[0], -INFINITY);
+}
+
+TEST(Flash, AKeyMaskBroadcastOverHeadsAndRowsIsReadPerKey) {
+  // diffusers' [B, 1, 1, Skv] bool key masks arrive broadcast to [B, H, Sq, Skv] (strides 0):
+  // read once per key, with the answer of the mask written out per (head, row) and of
+  // REFERENCE; unlike SPEC's 2-D key padding no query row is padding (a row whose own key is
+  // hidden is computed).
+  const i64 B = 2, S = 150, H = 3, D = 40;
+  auto q = random_tensor({B, S, H, D}, DType::F32, 21),
+       k = random_tensor({B, S, H, D}, DType::F32, 22),
+       v = random_tensor({B, S, H, D}, DType::F32, 23);
+  Tensor keys = Tensor::empty({B, 1, 1, S}, DType::Bool);
+  Tensor dense = Tensor::empty({B, H, S, S}, DType::Bool);
+  auto* kb = keys.data_as<std::uint8_t>();
+  for (i64 b = 0; b < B; ++b)
+    for (i64 j = 0; j < S; ++j) kb[b * S + j] = b == 0 ? (j % 5 != 0) : (j < 70 && j % 3 != 1);
+  auto* db = dense.data_as<std::uint8_t>();
+  for (i64 n = 0; n < dense.numel(); ++n) db[n] = kb[(n / (H * S * S)) * S + n % S];
+  const std::array<i64, 4> shape{B, H, S, S}, strides{S, 0, 0, 1};
+  AttentionMetadata broadcast, written;
+  broadcast.attn_mask = TensorView(keys.data(), DType::Bool, shape, strides);
+  written.attn_mask = dense.view();
+  AttentionConfig c = flash_config(H, H, D, false);
+  const auto got = Attention(c).forward(q, k, v, broadcast, true);
+  const auto per_row = Attention(c).forward(q, k, v, written, true);
+  c.backend = "REFERENCE";
+  const auto want = Attention(c).forward(q, k, v, written, true);
+  EXPECT_LE(testing::compare(got.out.view(), want.out.view()).normwise_rel, 1e-5);
+  EXPECT_LE(testing::compare(got.out.view(), per_row.out.view()).normwise_rel, 1e-6);
+  // Row 0 of batch 0 hides its own key: it is computed, not zeroed.
+  float norm = 0;
+  for (i64 d = 0; d < D; ++d) norm += std::fabs(got.out.data_as<float>()[d]);
+  EXPECT_GT(norm, 0.0f);
 }
 
 }  // namespace

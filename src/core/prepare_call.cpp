@@ -594,8 +594,20 @@ void resolve_mask(const AttentionMetadata& meta, const AttentionConfig& config,
   } else if (!masks.skipped && masks.dense) {
     p.features.add(Feature::attention_mask);
     p.features.add(Feature::dense_attention_mask);
-    p.mask.kind = masks.dense->dtype() == DType::Bool ? MaskKind::keep_dense : MaskKind::additive;
-    p.mask.view = *masks.dense;
+    const TensorView& d = *masks.dense;
+    if (d.dtype() == DType::Bool && d.stride(1) == 0 && d.stride(2) == 0) {
+      // The same bool mask for every head and query row (HunyuanVideo's and diffusers'
+      // [B|1, 1, 1, Skv] key masks, broadcast): a per-key mask, read once per key rather than
+      // once per (row, key). Not SPEC's 2-D key padding: no query row is padding.
+      const std::array<i64, 2> shape{p.batch, d.size(3)};
+      const std::array<i64, 2> strides{d.size(0) == 1 ? 0 : d.stride(0), d.stride(3)};
+      p.mask.kind = MaskKind::keep_keys;
+      p.mask.view = TensorView(d.data(), DType::Bool, shape, strides, d.platform());
+      p.zero_masked_query_rows = false;
+    } else {
+      p.mask.kind = d.dtype() == DType::Bool ? MaskKind::keep_dense : MaskKind::additive;
+      p.mask.view = d;
+    }
   }
 }
 

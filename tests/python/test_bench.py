@@ -49,3 +49,31 @@ def test_bench_rows_carry_every_library(capsys):
     no_ov = bench.main(["--workload", "small", "--rounds", "1", "--threads", "1", "--dtype", "f32",
                         "--pause", "0", "--no-openvino", "--json"])
     assert no_ov[0]["openvino"] is None and "openvino_s" not in no_ov[0]
+
+
+def test_pipeline_bench_rows(tmp_path):
+    """bench/pipeline.py end to end on its tiny Wan: every row's columns, in child processes."""
+    pytest.importorskip("diffusers")
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    svg = tmp_path / "chart.svg"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "pipeline.py"), "--model", "tiny-wan", "--mode",
+         "both", "--steps", "3", "--threads", "1", "--backend", "native", "--backend", "dattn",
+         "--backend", "sparse_policy", "--json", str(out), "--svg", str(svg)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["backend"]) for r in rows] == [
+        ("forward", "native"), ("forward", "dattn"), ("loop", "native"), ("loop", "dattn"),
+        ("loop", "sparse_policy")]
+    for r in rows:
+        assert r["seconds_per_step"] > 0 and 0 <= r["attention_share"] <= 1
+        assert r["peak_mib"] > 0 and r["speedup_vs_native"] > 0
+    assert rows[1]["rel_err"] < 0.05 and rows[1]["rel_err_against"] == "f32 native"
+    policy = rows[-1]
+    assert policy["grid_calls"] == {"dense": 2, "sparse": 1}  # dense_steps 2 of 3
+    assert svg.read_text().startswith("<svg") and "whole benchmark" in proc.stdout

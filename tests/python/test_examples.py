@@ -83,3 +83,15 @@ def test_diffusers_parallel_native_ring_is_diffusers_own_error(capsys):
         ["--model", "wan", "--video", "2", "4", "4", "--text-tokens", "8", "--heads", "2",
          "--head-dim", "32", "--reps", "1", "--ring", "2", "--backend", "native"])
     assert "return_lse" in results["error"]
+
+
+def test_wan_video_sparse(keep_torch_threads, capsys):
+    pytest.importorskip("diffusers")
+    results = load("wan_video_sparse").main(["--frames", "2", "--height", "8", "--width", "16",
+                                             "--steps", "3", "--threads", "1"])
+    modes = [[c["mode"] for c in s["calls"]] for s in results["stats"]]
+    assert modes == [["dense", "dense"], ["dense", "sparse"], ["dense", "sparse"]]
+    reused = [c.get("reused") for s in results["stats"] for c in s["calls"] if c["layer"] == 1]
+    assert reused == [False, False, True]
+    assert 0 < results["sparse_rel_err"] < 0.5 and results["dattn_sage_rel_err"] < 0.05
+    assert "step 2" in capsys.readouterr().out
