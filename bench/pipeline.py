@@ -26,7 +26,7 @@ so its peak memory (the process's maximum resident set) and its threads are its 
               loop     --steps denoising steps of diffusers' FlowMatchEulerDiscreteScheduler on
                        random latents and random text embeddings (no CFG: one forward a step)
 
-Per row: seconds per step (a forward, or the loop's mean), speed-up over native, the share of
+Per row: seconds per step (the fastest of --repeats forwards, or the loop's mean), speed-up over native, the share of
 the step spent inside attention calls (timed around diffusers' attention functions: the
 processors' dispatch_attention_fn and F.scaled_dot_product_attention, outermost call only),
 the process's peak memory, and the error of the output, normwise relative (||x - ref|| /
@@ -70,6 +70,8 @@ def parse_args(argv=None):
     ap.add_argument("--mode", choices=("forward", "loop", "both"), default=None,
                     help="default: forward for every model, and Wan's loop")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="forwards per forward row, the fastest reported (these VMs are noisy)")
     ap.add_argument("--dense-steps", type=int, default=2)
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=2)
@@ -231,9 +233,18 @@ def run_one(spec: dict) -> dict:
     with torch.no_grad():
         if spec["mode"] == "forward":
             t = torch.tensor([900.0]) * tscale
-            t0 = time.perf_counter()
-            out = model(**inputs, **{latent_key: latents}, timestep=t, return_dict=False)[0]
-            times.append(time.perf_counter() - t0)
+            best = None
+            for _ in range(max(1, spec.get("repeats", 1))):
+                if handle is not None and handle.video is not None:
+                    handle.reset()  # each repeat a generation of its own: step 0
+                timer.seconds = 0.0
+                t0 = time.perf_counter()
+                out = model(**inputs, **{latent_key: latents}, timestep=t, return_dict=False)[0]
+                elapsed = time.perf_counter() - t0
+                if best is None or elapsed < best[0]:
+                    best = (elapsed, timer.seconds)
+            times.append(best[0])
+            timer.seconds = best[1]
             result = out
         else:
             for t in scheduler.timesteps:
@@ -249,7 +260,10 @@ def run_one(spec: dict) -> dict:
                attention_share=timer.seconds / max(sum(times), 1e-9),
                peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if handle is not None and handle.video is not None:
-        calls = [c for s in handle.stats() for c in s["calls"]]
+        steps = handle.stats()
+        if spec["mode"] == "forward":
+            steps = steps[-1:]  # the last repeat's forward
+        calls = [c for s in steps for c in s["calls"]]
         sparse = [c for c in calls if c["mode"] == "sparse"]
         row["block_sparsity"] = (sum(c["block_sparsity"] for c in sparse) / len(sparse)
                                  if sparse else 0.0)
@@ -314,13 +328,14 @@ def main(argv=None):
     start = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="dattn-pipeline-")
     rows, native = [], {}
-    base = dict(threads=args.threads, dtype=args.dtype, steps=args.steps,
+    base = dict(threads=args.threads, dtype=args.dtype, steps=args.steps, repeats=args.repeats,
                 dense_steps=args.dense_steps, sparsity=args.sparsity)
     refs = {}  # forward: a float32 native run; loop: the native loop (float32 loops cost minutes)
     for m, mode, b in plan(args):
         if mode == "forward" and not args.no_reference and (m, mode) not in refs:
             path = os.path.join(tmp, f"{m}-{mode}-ref.pt")
-            child(dict(base, model=m, mode=mode, backend="native", dtype="f32", save=path))
+            child(dict(base, model=m, mode=mode, backend="native", dtype="f32", save=path,
+                       repeats=1))
             refs[(m, mode)] = path
         path = os.path.join(tmp, f"{m}-{mode}-{b}.pt")
         row = child(dict(base, model=m, mode=mode, backend=b, save=path))

@@ -349,8 +349,12 @@ class DiffusersHandle:
 
     @property
     def engines(self) -> List[str]:
-        """The compute engines the served calls ran on (e.g. ["amx"])."""
-        return self.client.engines()
+        """The compute engines the served calls ran on (e.g. ["amx"]; under VIDEO_SPARSE
+        those of the sparse grid calls too)."""
+        engines = set(self.client.engines())
+        if self.video is not None:
+            engines |= {layer.last_engine for layer in self.video._layers.values()}
+        return sorted(engines - {""})
 
     def _enable(self, model):
         from .. import torch_adapter as ta
