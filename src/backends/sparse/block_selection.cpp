@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -219,6 +220,17 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
   const int threads = std::max(p.threads, 1);
   std::vector<std::vector<float>> scores(std::size_t(threads), std::vector<float>(video.size()));
   std::vector<std::vector<i64>> ranks(std::size_t(threads), std::vector<i64>(video.size()));
+  // The pooled video keys of each (batch, KV head) transposed, [D][video blocks]: a row's
+  // scores are then D sweeps of FMAs along contiguous blocks (vectorised across blocks), not
+  // one short horizontal reduction per block.
+  const std::size_t nv = video.size();
+  std::vector<float> kt(std::size_t(p.batch * p.hkv * p.d) * nv);
+  for (i64 bh = 0; bh < p.batch * p.hkv; ++bh)
+    for (std::size_t n = 0; n < nv; ++n) {
+      const float* pk = pooled.k.data() + (bh * nk + video[n]) * p.d;
+      float* dst = kt.data() + std::size_t(bh * p.d) * nv + n;
+      for (i64 e = 0; e < p.d; ++e) dst[std::size_t(e) * nv] = pk[e];
+    }
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float>& score = scores[std::size_t(omp_get_thread_num())];
@@ -228,30 +240,46 @@ BlockMap topk_map(const AttentionProblem& p, const CallTiling& t, const VideoSpa
       const i64 b = row / (p.hq * nq), h = row / nq % p.hq, qb = row % nq;
       if (qblocks[std::size_t(qb)].dense || k == 0) continue;
       const float* pq = pooled.q.data() + row * p.d;
-      for (std::size_t n = 0; n < video.size(); ++n) {
-        const i64 kb = video[n];
-        if (pooled.k_rows[std::size_t(b * nk + kb)] == 0) {
-          score[n] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        const float* pk = pooled.k.data() + ((b * p.hkv + h / group) * nk + kb) * p.d;
-        float s = 0;
-#pragma omp simd reduction(+ : s)
-        for (i64 e = 0; e < p.d; ++e) s += pq[e] * pk[e];
-        score[n] = s;
+      const float* kh = kt.data() + std::size_t((b * p.hkv + h / group) * p.d) * nv;
+      float* out = score.data();
+      std::fill(out, out + nv, 0.0f);
+      for (i64 e = 0; e < p.d; ++e) {
+        const float qe = pq[e];
+        const float* ke = kh + std::size_t(e) * nv;
+#pragma omp simd
+        for (std::size_t n = 0; n < nv; ++n) out[n] += qe * ke[n];
       }
-      std::iota(rank.begin(), rank.end(), 0);
+      for (std::size_t n = 0; n < nv; ++n)
+        if (pooled.k_rows[std::size_t(b * nk + video[n])] == 0)
+          out[n] = -std::numeric_limits<float>::infinity();
       // Highest score first, ties by block index; a NaN score (NaN or inf in the pooled Q or
-      // K) ranks below every number, so the order is strict and weak as partial_sort needs.
-      std::partial_sort(rank.begin(), rank.begin() + k, rank.end(), [&](i64 a, i64 c) {
-        const float sa = score[std::size_t(a)], sc = score[std::size_t(c)];
-        if (std::isnan(sa) != std::isnan(sc)) return std::isnan(sc);
-        if (sa != sc && !std::isnan(sa)) return sa > sc;
-        return a < c;
-      });
-      for (i64 n = 0; n < k; ++n)
-        chosen[std::size_t(row * k + n)] =
-            static_cast<std::int32_t>(video[std::size_t(rank[std::size_t(n)])]);
+      // K) ranks below every number. Each candidate as one integer key in that order (the
+      // score's bits made monotone, NaN lowest, then the inverted index), so the k largest
+      // are a selection over integers (nth_element, linear on average) and the ranking is
+      // strict: the same blocks, in the same order, as sorting by the rule.
+      for (std::size_t n = 0; n < video.size(); ++n) {
+        const float sc = score[n];
+        std::uint32_t bits = 0;
+        if (!std::isnan(sc)) {
+          const float v = sc == 0.0f ? 0.0f : sc;  // -0 and +0 are one score (a tie)
+          std::memcpy(&bits, &v, sizeof bits);
+          bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // monotone in sc
+          bits = std::max<std::uint32_t>(bits, 1u);                    // above every NaN
+        }
+        rank[n] = static_cast<i64>((std::uint64_t(bits) << 32) |
+                                   (0xFFFFFFFFu - static_cast<std::uint32_t>(n)));
+      }
+      const auto greater = [](i64 a, i64 c) {
+        return static_cast<std::uint64_t>(a) > static_cast<std::uint64_t>(c);
+      };
+      std::nth_element(rank.begin(), rank.begin() + (k - 1), rank.end(), greater);
+      std::sort(rank.begin(), rank.begin() + k, greater);
+      for (i64 n = 0; n < k; ++n) {
+        const std::uint32_t index =
+            0xFFFFFFFFu -
+            static_cast<std::uint32_t>(static_cast<std::uint64_t>(rank[std::size_t(n)]));
+        chosen[std::size_t(row * k + n)] = static_cast<std::int32_t>(video[index]);
+      }
     }
   }
   std::vector<char> keep(static_cast<std::size_t>(nk));
