@@ -141,7 +141,8 @@ install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
 
 # Installs into a scratch prefix and builds examples/consumer against it, once through
-# find_package(dattn) and once through pkg-config; then imports the installed Python package.
+# find_package(dattn) and once through pkg-config, and examples/consumer_c with the C compiler
+# alone through pkg-config dattn-c (the C ABI); then imports the installed Python package.
 install-check:
 	rm -rf out/install-check
 	$(MAKE) install PREFIX=$(CURDIR)/out/install-check/prefix
@@ -153,6 +154,11 @@ install-check:
 	  sh -c 'g++ -std=c++20 examples/consumer/main.cpp $$(pkg-config --cflags --libs dattn) \
 	    -Wl,-rpath,$(CURDIR)/out/install-check/prefix/lib -o out/install-check/consumer-pc'
 	out/install-check/consumer-pc
+	PKG_CONFIG_PATH=$(CURDIR)/out/install-check/prefix/lib/pkgconfig \
+	  sh -c 'cc -std=c99 -pedantic -Wall -Werror examples/consumer_c/main.c \
+	    $$(pkg-config --cflags --libs dattn-c) -Wl,-rpath,$(CURDIR)/out/install-check/prefix/lib \
+	    -o out/install-check/consumer-c'
+	out/install-check/consumer-c
 	cd /tmp && PYTHONPATH=$$(ls -d $(CURDIR)/out/install-check/prefix/lib/python3*/site-packages) \
 	  $(PY) -c "import dattn, numpy; assert dattn.__file__.startswith('$(CURDIR)/out/install-check/'), dattn.__file__; \
 	    print('installed dattn', dattn.__file__, \

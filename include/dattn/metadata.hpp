@@ -90,6 +90,11 @@ using OptionValue = std::variant<bool, std::int64_t, double, std::string, Tensor
 // InvalidArgument. In a call's extra.backend slot every backend ignores keys it does not know.
 using BackendOptions = std::map<std::string, OptionValue, std::less<>>;
 
+// A backend option's value written as text (the CLI's NAME:key=value, the C ABI's "key=value"
+// strings): an integer, else a finite number, else true / false, else the string itself
+// (surrounding spaces and tabs trimmed).
+OptionValue parse_option_value(std::string_view text);
+
 // The seed's well-known `extra` keys as typed fields, plus the opaque slot.
 struct Extra {
   std::optional<KvCacheDtype> kv_cache_dtype;

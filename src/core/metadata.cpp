@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <exception>
 #include <string>
 
 #include "dattn/errors.hpp"
@@ -24,6 +26,27 @@ std::string lower(std::string_view s) {
 }
 
 }  // namespace
+
+OptionValue parse_option_value(std::string_view text) {
+  const std::size_t first = text.find_first_not_of(" \t");
+  const std::string value =
+      first == std::string_view::npos
+          ? std::string()
+          : std::string(text.substr(first, text.find_last_not_of(" \t") - first + 1));
+  std::size_t used = 0;
+  try {
+    const long long integer = std::stoll(value, &used);
+    if (!value.empty() && used == value.size()) return std::int64_t(integer);
+  } catch (const std::exception&) {
+  }
+  try {
+    const double number = std::stod(value, &used);
+    if (!value.empty() && used == value.size() && std::isfinite(number)) return number;
+  } catch (const std::exception&) {
+  }
+  if (value == "true" || value == "false") return value == "true";
+  return value;
+}
 
 std::string_view video_role_name(VideoRole r) {
   return r == VideoRole::reference ? "reference" : "target";

@@ -347,29 +347,7 @@ BackendSpec parse_backend_spec(const std::string& spec) {
       throw InvalidArgument("backend", "--backend " + spec + ": '" + item +
                                            "' is not key=value; valid: NAME or "
                                            "NAME:key=value,key=value");
-    const std::string value = trimmed(item.substr(eq + 1));
-    std::size_t used = 0;
-    long long integer = 0;
-    double number = 0;
-    bool is_integer = false, is_number = false;
-    try {
-      integer = std::stoll(value, &used);
-      is_integer = !value.empty() && used == value.size();
-    } catch (const std::exception&) {
-    }
-    if (!is_integer) try {
-        number = std::stod(value, &used);
-        is_number = !value.empty() && used == value.size() && std::isfinite(number);
-      } catch (const std::exception&) {
-      }
-    if (is_integer)
-      out.parsed[key] = std::int64_t(integer);
-    else if (is_number)
-      out.parsed[key] = number;
-    else if (value == "true" || value == "false")
-      out.parsed[key] = value == "true";
-    else
-      out.parsed[key] = value;
+    out.parsed[key] = parse_option_value(item.substr(eq + 1));
     at = end + 1;
   }
   return out;
