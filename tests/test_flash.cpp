@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -228,6 +229,24 @@ TEST(Flash, AKeyMaskBroadcastOverHeadsAndRowsIsReadPerKey) {
   float norm = 0;
   for (i64 d = 0; d < D; ++d) norm += std::fabs(got.out.data_as<float>()[d]);
   EXPECT_GT(norm, 0.0f);
+  // Garbage in the hidden keys (huge, NaN, inf) moves no row: they are packed as zeros.
+  for (const float garbage : {1e4f, NAN, INFINITY, -INFINITY}) {
+    Tensor k2 = Tensor::empty({B, S, H, D}, DType::F32),
+           v2 = Tensor::empty({B, S, H, D}, DType::F32);
+    std::copy_n(k.data_as<float>(), k.numel(), k2.data_as<float>());
+    std::copy_n(v.data_as<float>(), v.numel(), v2.data_as<float>());
+    for (i64 b = 0; b < B; ++b)
+      for (i64 j = 0; j < S; ++j)
+        if (!kb[b * S + j])
+          for (i64 e = 0; e < H * D; ++e) {
+            k2.data_as<float>()[(b * S + j) * H * D + e] = garbage;
+            v2.data_as<float>()[(b * S + j) * H * D + e] = garbage;
+          }
+    c.backend = "FLASH";
+    const auto poisoned = Attention(c).forward(q, k2, v2, broadcast, true);
+    EXPECT_EQ(std::memcmp(poisoned.out.data(), got.out.data(), got.out.numel() * sizeof(float)), 0)
+        << garbage;
+  }
 }
 
 }  // namespace

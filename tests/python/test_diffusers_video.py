@@ -469,3 +469,57 @@ def test_vllm_omni_layer_takes_the_step_from_the_forward_context(monkeypatch):
     with pytest.raises(dattn.InvalidArgument) as e:
         vo.DattnAttentionImpl(2, 32, None, backend_kwargs=dict(options, refresh_steps=0))
     assert e.value.field == "refresh_steps"
+
+
+# --- garbage where a mask hides: no other row moves ------------------------------------------
+
+
+@pytest.mark.parametrize("options", [
+    {"selection": "sliding_tile", "tile": "1,2,2", "window": "1,1,3"},
+    {"sparsity": 0.5, "tile": "1,2,2"},
+    {"sparsity": 0.5, "tile": "1,2,2", "qk_dtype": "int8"},
+], ids=["sliding", "topk", "topk-int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("text", ["rear", "front"])
+def test_garbage_in_hidden_keys_and_padded_rows_moves_no_other_row(options, dtype, text):
+    """The layouts the handle gives (text at the rear in the span form, in front as prefix_len)
+    with a key mask: 0, 1e4, NaN and inf in the hidden rows' Q, K and V leave every kept row the
+    same bits, and the padded rows output zeros."""
+    grid, j = (2, 4, 8), 16
+    s = 64 + j
+    if text == "rear":
+        layout = dattn.VideoTokenLayout(used_len=s,
+                                        video_spans=(dattn.VideoTokenSpan(0, grid, "target"),))
+        hidden = list(range(s - 5, s))           # padded text, as HunyuanVideo's
+    else:
+        layout = dattn.VideoTokenLayout(prefix_len=j, latent_grid=grid)
+        hidden = [3, 7, 11, j + 5, j + 40]       # text and video keys inside tiles
+    keep = torch.ones(1, s, dtype=torch.bool)
+    keep[0, hidden] = False
+    layer = dattn.Attention(2, 32, backend="VIDEO_SPARSE", backend_kwargs=options)
+    base = [_randn(1, s, 2, 32, seed=i).to(dtype) for i in range(3)]
+    outs = []
+    for garbage in (0.0, 1e4, float("nan"), float("inf")):
+        q, k, v = (t.clone() for t in base)
+        for t in (q, k, v):
+            t[:, hidden] = garbage
+        outs.append(layer.forward(q, k, v, dattn.AttentionMetadata(attn_mask=keep,
+                                                                   video_layout=layout)))
+    for out in outs[1:]:
+        assert torch.equal(out[:, keep[0]], outs[0][:, keep[0]])
+        assert torch.equal(out[:, ~keep[0]], torch.zeros_like(out[:, ~keep[0]]))
+
+
+def test_hunyuans_padded_text_moves_no_video_row_under_the_handle():
+    """Huge values in HunyuanVideo's padded text (masked from every call) leave the video output
+    the same bits. (NaN is not tried: diffusers' own token refiner pools the text as
+    (x * mask).sum(), which a NaN poisons before any attention runs.)"""
+    model, inputs, _, _ = hunyuan()
+    outs = []
+    for garbage in (0.0, 1e4, -1e4):
+        text = inputs["encoder_hidden_states"].clone()
+        text[:, 7:] = garbage  # the 3 tokens encoder_attention_mask hides
+        with dd.enable(model, backend="VIDEO_SPARSE",
+                       backend_kwargs={"sparsity": 0.5, "tile": "1,2,2"}):
+            outs.append(_forward(model, inputs, encoder_hidden_states=text))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

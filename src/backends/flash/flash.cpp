@@ -237,16 +237,18 @@ class Worker {
     const i64 d = p_.d;
     const i64 ahead = std::min(kBlockKeys, seg.k_end - j0 - n);  // the next tile's rows
     if (!kk_.formats.own()) {
-      convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d,
-                   reinterpret_cast<float*>(at), plan_.ld_k, ahead);
-      convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv,
-                   reinterpret_cast<float*>(at + plan_.k_tile_bytes), plan_.ld_v, ahead);
+      auto* k = reinterpret_cast<float*>(at);
+      auto* v = reinterpret_cast<float*>(at + plan_.k_tile_bytes);
+      convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, k, plan_.ld_k, ahead);
+      convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, v, plan_.ld_v, ahead);
+      zero_masked_keys(seg.batch, j0, n, k, v);
       return;
     }
     ScratchLayout layout(thread.scratch());
     const Scratch s = Scratch::carve(layout, plan_.shape, plan_.ld_k, plan_.ld_v, nullptr);
     convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, plan_.ld_k, ahead);
     convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, plan_.ld_v, ahead);
+    zero_masked_keys(seg.batch, j0, n, s.k, s.v);
     if (stats_ != nullptr && !(*stats_)[g].seen.empty()) {  // keys no query sees: zeros
       const char* seen = (*stats_)[g].seen.data() + (j0 - seg.k_begin);
       for (i64 jj = 0; jj < n; ++jj) {
@@ -268,6 +270,19 @@ class Worker {
     }
     pack_key_tile(kk_, s.k, plan_.ld_k, s.v, plan_.ld_v, n, d, plan_.dv_padded, plan_.k_tile_bytes,
                   sm ? &*sm : nullptr, sm ? sm->run_of(tile) : 0, qscale_, at);
+  }
+
+  // Keys a key-padding mask hides (from every row of their batch item) are packed as zeros: no
+  // row looks at them, and 0 x NaN would otherwise carry a NaN or inf they hold into the P.V of
+  // the rows that hide them (docs/semantics.md, "Finite masks and non-finite inputs").
+  // (SAGE's packing already zeroes them, with every other key no computed row sees.)
+  void zero_masked_keys(i64 b, i64 j0, i64 n, float* k, float* v) const {
+    if (p_.mask.kind != MaskKind::keep_keys || stats_ != nullptr) return;
+    for (i64 jj = 0; jj < n; ++jj) {
+      if (p_.mask.keeps_key(b, j0 + jj)) continue;
+      std::fill(k + jj * plan_.ld_k, k + (jj + 1) * plan_.ld_k, 0.0f);
+      std::fill(v + jj * plan_.ld_v, v + (jj + 1) * plan_.ld_v, 0.0f);
+    }
   }
 
   // Which of panel group g's split tiles `tile` is (its spare slot), or -1.
