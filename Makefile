@@ -30,7 +30,7 @@ REQUIREMENTS := requirements.txt
 VENV_STAMP := $(VENV)/.dattn-requirements.sha256
 WHEEL_DIR := build/dist
 
-.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check clean distclean
+.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check ggml ggml-check clean distclean
 
 deps:
 	@missing=""; \
@@ -163,6 +163,43 @@ install-check:
 	  $(PY) -c "import dattn, numpy; assert dattn.__file__.startswith('$(CURDIR)/out/install-check/'), dattn.__file__; \
 	    print('installed dattn', dattn.__file__, \
 	    dattn.Attention(num_heads=1, head_size=8).forward(*[numpy.ones((1, 3, 1, 8), numpy.float32)] * 3).shape)"
+
+# ggml and stable-diffusion.cpp from the PyPI sdist of stable-diffusion-cpp-python (pinned,
+# its sha256 checked), which vendors both: build/ggml/ holds the download, the sources and
+# ggml built (Release, GGML_NATIVE) and installed into build/ggml/prefix.
+SDCPP_PY_VERSION := 0.4.7
+SDCPP_PY_SHA256 := 998d1957260dd5ae4e18a8acc0c14b0a8757aaa9f96515197b6d5bbf46df9282
+GGML_WORK := build/ggml
+SDCPP_SDIST := $(GGML_WORK)/dl/stable_diffusion_cpp_python-$(SDCPP_PY_VERSION).tar.gz
+SDCPP_SRC := $(GGML_WORK)/stable_diffusion_cpp_python-$(SDCPP_PY_VERSION)/vendor/stable-diffusion.cpp
+GGML_PREFIX := $(CURDIR)/$(GGML_WORK)/prefix
+
+$(SDCPP_SDIST): | venv
+	mkdir -p $(GGML_WORK)/dl
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(GGML_WORK)/dl \
+	  stable-diffusion-cpp-python==$(SDCPP_PY_VERSION)
+	echo "$(SDCPP_PY_SHA256)  $@" | sha256sum -c - || { rm -f $@; exit 1; }
+
+$(SDCPP_SRC)/CMakeLists.txt: $(SDCPP_SDIST)
+	tar -xzf $< -C $(GGML_WORK)
+	touch $@
+
+$(GGML_PREFIX)/lib/cmake/ggml/ggml-config.cmake: $(SDCPP_SRC)/CMakeLists.txt
+	cmake -S $(SDCPP_SRC)/ggml -B $(GGML_WORK)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
+	  -DCMAKE_INSTALL_PREFIX=$(GGML_PREFIX)
+	cmake --build $(GGML_WORK)/build
+	cmake --install $(GGML_WORK)/build > /dev/null
+
+ggml: $(GGML_PREFIX)/lib/cmake/ggml/ggml-config.cmake
+
+# The ggml operator (include/dattn/ggml.h) built against that ggml in $(BUILD) and its graph
+# tests (CTest label ggml), then a short run of its benchmark.
+ggml-check: build ggml
+	cmake $(BUILD) -DDATTN_WITH_GGML=ON -Dggml_DIR=$(GGML_PREFIX)/lib/cmake/ggml > /dev/null
+	cmake --build $(BUILD) --target dattn_ggml test_ggml bench_ggml_attention
+	ctest --test-dir $(BUILD) -L ggml --output-on-failure
+	$(BUILD)/bench_ggml_attention --workload check:700:900:3:128 --rounds 1
 
 clean:
 	rm -rf build out

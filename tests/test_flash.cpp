@@ -249,6 +249,63 @@ TEST(Flash, AKeyMaskBroadcastOverHeadsAndRowsIsReadPerKey) {
   }
 }
 
+TEST(Flash, KeysADenseMaskHidesFromEveryRowAreHarmless) {
+  // An additive (-inf) or bool 4-D mask that hides some keys from every row of every query head
+  // of their KV head (ggml's key padding, a padded text tail): those keys are packed as zeros,
+  // so NaN or inf in their K or V moves no row; keys hidden from some rows only may still reach
+  // the rows that hide them (docs/semantics.md, "Finite masks and non-finite inputs").
+  const i64 B = 2, S = 131, Hq = 4, Hkv = 2, D = 48;
+  auto q = random_tensor({B, S, Hq, D}, DType::F32, 31),
+       k = random_tensor({B, S, Hkv, D}, DType::F32, 32),
+       v = random_tensor({B, S, Hkv, D}, DType::F32, 33);
+  // Key j of batch b, KV head g is hidden from all rows when hidden_all(b, g, j).
+  auto hidden_all = [](i64 b, i64 g, i64 j) { return j >= S - 9 - 4 * b || (j + g) % 7 == 3; };
+  for (const DType mask_dtype : {DType::F16, DType::F32, DType::Bool}) {
+    Tensor mask = Tensor::empty({B, Hq, S, S}, mask_dtype);
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> bias(-1.0f, 0.5f);
+    for (i64 b = 0; b < B; ++b)
+      for (i64 h = 0; h < Hq; ++h)
+        for (i64 i = 0; i < S; ++i)
+          for (i64 j = 0; j < S; ++j) {
+            const i64 at = ((b * Hq + h) * S + i) * S + j;
+            const bool hide = hidden_all(b, h / (Hq / Hkv), j) || (i * 3 + j) % 13 == 0;
+            if (mask_dtype == DType::Bool)
+              mask.data_as<std::uint8_t>()[at] = hide ? 0 : 1;
+            else if (mask_dtype == DType::F32)
+              mask.data_as<float>()[at] = hide ? -INFINITY : bias(rng);
+            else
+              mask.data_as<std::uint16_t>()[at] = f32_to_f16(hide ? -INFINITY : bias(rng));
+          }
+    AttentionMetadata meta;
+    meta.attn_mask = mask.view();
+    AttentionConfig c = flash_config(Hq, Hkv, D, false);
+    const auto clean = Attention(c).forward(q, k, v, meta, true);
+    c.backend = "REFERENCE";
+    const auto want = Attention(c).forward(q, k, v, meta, true);
+    EXPECT_LE(testing::compare(clean.out.view(), want.out.view()).normwise_rel, 1e-5);
+    c.backend = "FLASH";
+    for (const float garbage : {6e4f, NAN, INFINITY}) {
+      Tensor k2 = Tensor::empty({B, S, Hkv, D}, DType::F32),
+             v2 = Tensor::empty({B, S, Hkv, D}, DType::F32);
+      std::copy_n(k.data_as<float>(), k.numel(), k2.data_as<float>());
+      std::copy_n(v.data_as<float>(), v.numel(), v2.data_as<float>());
+      for (i64 b = 0; b < B; ++b)
+        for (i64 j = 0; j < S; ++j)
+          for (i64 g = 0; g < Hkv; ++g)
+            if (hidden_all(b, g, j))
+              for (i64 e = 0; e < D; ++e) {
+                k2.data_as<float>()[((b * S + j) * Hkv + g) * D + e] = garbage;
+                v2.data_as<float>()[((b * S + j) * Hkv + g) * D + e] = garbage;
+              }
+      const auto poisoned = Attention(c).forward(q, k2, v2, meta, true);
+      EXPECT_EQ(
+          std::memcmp(poisoned.out.data(), clean.out.data(), clean.out.numel() * sizeof(float)), 0)
+          << dtype_name(mask_dtype) << " " << garbage;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dattn
 

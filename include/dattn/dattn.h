@@ -121,6 +121,11 @@ DATTN_C_API const char* dattn_layer_backend(const dattn_layer* layer);
 DATTN_C_API const char* dattn_last_error(void);
 DATTN_C_API const char* dattn_last_error_field(void);
 
+/* Sets the calling thread's last error (status, field, message; NULL reads as ""), for
+ * libraries layered on this ABI (dattn_ggml) that report through dattn_last_error. Returns
+ * `status`. */
+DATTN_C_API int dattn_set_last_error(int status, const char* field, const char* message);
+
 /* The library's version ("0.1.0") and ABI version (DATTN_ABI_VERSION it was built with). */
 DATTN_C_API const char* dattn_version(void);
 DATTN_C_API int dattn_abi_version(void);

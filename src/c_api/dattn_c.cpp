@@ -230,6 +230,14 @@ const char* dattn_last_error_field(void) {
   return g_field.c_str();
 }
 
+int dattn_set_last_error(int status, const char* field, const char* message) {
+  try {
+    return fail(status, field != nullptr ? field : "", message != nullptr ? message : "");
+  } catch (...) {
+    return status;  // the message could not be stored (out of memory)
+  }
+}
+
 const char* dattn_version(void) {
   return DATTN_VERSION_STRING;
 }

@@ -108,6 +108,11 @@ int main(void) {
   /* Versions. */
   CHECK(dattn_abi_version() == DATTN_ABI_VERSION);
   CHECK(strlen(dattn_version()) > 0);
+  /* A library layered on the ABI reports through the same message. */
+  CHECK(dattn_set_last_error(DATTN_UNSUPPORTED, "mask", "mask: not served") == DATTN_UNSUPPORTED);
+  CHECK(strcmp(dattn_last_error(), "mask: not served") == 0);
+  CHECK(strcmp(dattn_last_error_field(), "mask") == 0);
+  CHECK(dattn_set_last_error(DATTN_OK, NULL, NULL) == DATTN_OK && dattn_last_error()[0] == 0);
 
   /* Defaults. */
   dattn_layer_config_init(&config);

@@ -241,14 +241,14 @@ class Worker {
       auto* v = reinterpret_cast<float*>(at + plan_.k_tile_bytes);
       convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, k, plan_.ld_k, ahead);
       convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, v, plan_.ld_v, ahead);
-      zero_masked_keys(seg.batch, j0, n, k, v);
+      zero_masked_keys(g, j0, n, k, v);
       return;
     }
     ScratchLayout layout(thread.scratch());
     const Scratch s = Scratch::carve(layout, plan_.shape, plan_.ld_k, plan_.ld_v, nullptr);
     convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, plan_.ld_k, ahead);
     convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, plan_.ld_v, ahead);
-    zero_masked_keys(seg.batch, j0, n, s.k, s.v);
+    zero_masked_keys(g, j0, n, s.k, s.v);
     if (stats_ != nullptr && !(*stats_)[g].seen.empty()) {  // keys no query sees: zeros
       const char* seen = (*stats_)[g].seen.data() + (j0 - seg.k_begin);
       for (i64 jj = 0; jj < n; ++jj) {
@@ -272,14 +272,40 @@ class Worker {
                   sm ? &*sm : nullptr, sm ? sm->run_of(tile) : 0, qscale_, at);
   }
 
-  // Keys a key-padding mask hides (from every row of their batch item) are packed as zeros: no
-  // row looks at them, and 0 x NaN would otherwise carry a NaN or inf they hold into the P.V of
-  // the rows that hide them (docs/semantics.md, "Finite masks and non-finite inputs").
-  // (SAGE's packing already zeroes them, with every other key no computed row sees.)
-  void zero_masked_keys(i64 b, i64 j0, i64 n, float* k, float* v) const {
-    if (p_.mask.kind != MaskKind::keep_keys || stats_ != nullptr) return;
+  // Keys the mask hides from every row that could see them are packed as zeros: a key-padding
+  // mask's masked keys, and keys a dense or additive mask hides (false, -inf) from every row of
+  // the segment and every query head of the KV head. No row looks at them, and 0 x NaN would
+  // otherwise carry a NaN or inf they hold into the P.V of the rows that hide them
+  // (docs/semantics.md, "Finite masks and non-finite inputs"). A visible key usually shows on
+  // the first row, so the scan costs little but for hidden keys. (SAGE's packing already zeroes
+  // them, with every other key no computed row sees.)
+  void zero_masked_keys(std::size_t g, i64 j0, i64 n, float* k, float* v) const {
+    const MaskView& mask = p_.mask;
+    if (mask.kind == MaskKind::none || stats_ != nullptr) return;
+    const PanelGroup& group = plan_.groups[g];
+    const Segment& seg = p_.segments[group.segment];
+    const i64 b = seg.batch;
+    const TensorView& m = mask.view;
+    const i64 heads = p_.group_size(), h0 = group.hk * heads;
+    const i64 head_count = mask.kind == MaskKind::keep_keys || m.stride(1) == 0 ? 1 : heads;
+    const i64 row_count = mask.kind == MaskKind::keep_keys || m.stride(2) == 0
+                              ? std::min<i64>(1, seg.q_end - seg.q_begin)
+                              : seg.q_end - seg.q_begin;
     for (i64 jj = 0; jj < n; ++jj) {
-      if (p_.mask.keeps_key(b, j0 + jj)) continue;
+      bool hidden = true;
+      if (mask.kind == MaskKind::keep_keys) {
+        hidden = !mask.keeps_key(b, j0 + jj);
+      } else {
+        for (i64 h = h0; hidden && h < h0 + head_count; ++h)
+          for (i64 i = seg.q_begin; hidden && i < seg.q_begin + row_count; ++i) {
+            const i64 at =
+                b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + (j0 + jj) * m.stride(3);
+            hidden = mask.kind == MaskKind::keep_dense
+                         ? static_cast<const std::uint8_t*>(m.data())[at] == 0
+                         : load_as_f32(m.data(), m.dtype(), at) == kNegInf;
+          }
+      }
+      if (!hidden) continue;
       std::fill(k + jj * plan_.ld_k, k + (jj + 1) * plan_.ld_k, 0.0f);
       std::fill(v + jj * plan_.ld_v, v + (jj + 1) * plan_.ld_v, 0.0f);
     }
