@@ -30,7 +30,7 @@ REQUIREMENTS := requirements.txt
 VENV_STAMP := $(VENV)/.dattn-requirements.sha256
 WHEEL_DIR := build/dist
 
-.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check ggml ggml-check clean distclean
+.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check ggml ggml-check sdcpp clean distclean
 
 deps:
 	@missing=""; \
@@ -173,6 +173,9 @@ GGML_WORK := build/ggml
 SDCPP_SDIST := $(GGML_WORK)/dl/stable_diffusion_cpp_python-$(SDCPP_PY_VERSION).tar.gz
 SDCPP_SRC := $(GGML_WORK)/stable_diffusion_cpp_python-$(SDCPP_PY_VERSION)/vendor/stable-diffusion.cpp
 GGML_PREFIX := $(CURDIR)/$(GGML_WORK)/prefix
+# sd.cpp builds its ggml with tensor names of up to 128 characters (and checks it); ggml.h's
+# default is 64. Consumers must agree: dattn_ggml gets it as DATTN_GGML_MAX_NAME.
+GGML_MAX_NAME := 128
 
 $(SDCPP_SDIST): | venv
 	mkdir -p $(GGML_WORK)/dl
@@ -187,6 +190,7 @@ $(SDCPP_SRC)/CMakeLists.txt: $(SDCPP_SDIST)
 $(GGML_PREFIX)/lib/cmake/ggml/ggml-config.cmake: $(SDCPP_SRC)/CMakeLists.txt
 	cmake -S $(SDCPP_SRC)/ggml -B $(GGML_WORK)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
+	  "-DCMAKE_C_FLAGS=-DGGML_MAX_NAME=$(GGML_MAX_NAME)" "-DCMAKE_CXX_FLAGS=-DGGML_MAX_NAME=$(GGML_MAX_NAME)" \
 	  -DCMAKE_INSTALL_PREFIX=$(GGML_PREFIX)
 	cmake --build $(GGML_WORK)/build
 	cmake --install $(GGML_WORK)/build > /dev/null
@@ -196,10 +200,27 @@ ggml: $(GGML_PREFIX)/lib/cmake/ggml/ggml-config.cmake
 # The ggml operator (include/dattn/ggml.h) built against that ggml in $(BUILD) and its graph
 # tests (CTest label ggml), then a short run of its benchmark.
 ggml-check: build ggml
-	cmake $(BUILD) -DDATTN_WITH_GGML=ON -Dggml_DIR=$(GGML_PREFIX)/lib/cmake/ggml > /dev/null
+	cmake $(BUILD) -Dggml_DIR=$(GGML_PREFIX)/lib/cmake/ggml \
+	  -DDATTN_GGML_MAX_NAME=$(GGML_MAX_NAME) > /dev/null
 	cmake --build $(BUILD) --target dattn_ggml test_ggml bench_ggml_attention
 	ctest --test-dir $(BUILD) -L ggml --output-on-failure
 	$(BUILD)/bench_ggml_attention --workload check:700:900:3:128 --rounds 1
+
+# stable-diffusion.cpp from the same sdist with integrations/stable-diffusion.cpp/dattn.patch
+# (its flash path on dattn_ggml_flash_attn_ext), against that ggml and dattn installed into
+# build/sdcpp/dattn-prefix, and sdcpp_dit_bench (its Flux and Wan runners, random weights) run
+# small; SDCPP_BENCH_ARGS runs it at real sizes instead (docs/stable-diffusion-cpp.md).
+SDCPP_WORK := build/sdcpp
+SDCPP_BENCH_ARGS ?= --model flux --width 256 --height 256 --paths ggml-fa,dattn,dattn-sage,mul-mat
+sdcpp: ggml-check
+	cmake --install $(BUILD) --prefix $(CURDIR)/$(SDCPP_WORK)/dattn-prefix > /dev/null
+	rm -rf $(SDCPP_WORK)/src && mkdir -p $(SDCPP_WORK) && cp -r $(SDCPP_SRC) $(SDCPP_WORK)/src
+	patch -s -p1 -d $(SDCPP_WORK)/src < integrations/stable-diffusion.cpp/dattn.patch
+	cmake -S integrations/stable-diffusion.cpp -B $(SDCPP_WORK)/build -G Ninja \
+	  -DCMAKE_BUILD_TYPE=Release -DSDCPP_SOURCE_DIR=$(CURDIR)/$(SDCPP_WORK)/src \
+	  -DCMAKE_PREFIX_PATH="$(GGML_PREFIX);$(CURDIR)/$(SDCPP_WORK)/dattn-prefix" > /dev/null
+	cmake --build $(SDCPP_WORK)/build --target sdcpp_dit_bench
+	$(SDCPP_WORK)/build/sdcpp_dit_bench $(SDCPP_BENCH_ARGS)
 
 clean:
 	rm -rf build out

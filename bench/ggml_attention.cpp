@@ -4,6 +4,7 @@
 //   bench_ggml_attention [--workload flux-1024|wan-480p|NAME:LQ:LK:H:D] [--threads 2]
 //                        [--rounds 3] [--mul-mat] [--skip-ggml]
 // --mul-mat adds ggml's mul_mat + softmax path (the full L_q x L_k matrix per head in f32).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -162,6 +163,46 @@ int main(int argc, char** argv) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       p.best = std::min(p.best, s);
     }
+  // The split's cost: the same FLASH layer as one dattn_forward over every row on `threads`
+  // OpenMP threads of dattn's own, outside ggml (C ABI, the operator's default precision).
+  double direct_best = 1e30;
+  {
+    dattn_layer_config c;
+    dattn_layer_config_init(&c);
+    c.num_heads = int(w.heads);
+    c.head_size = int(w.d);
+    c.softmax_scale = scale;
+    c.backend = "FLASH";
+    const char* opts[] = {"compute_dtype=bf16", nullptr};
+    c.options = opts;
+    c.threads = threads;
+    dattn_layer* layer = nullptr;
+    if (dattn_layer_create(&c, &layer) != DATTN_OK) {
+      std::fprintf(stderr, "dattn_layer_create: %s\n", dattn_last_error());
+      return 1;
+    }
+    std::vector<float> out(std::size_t(w.lq * w.heads * w.d));
+    // ggml's [D, L, H, 1] as BSHD [1, L, H, D]: strides (.., D, L * D, 1).
+    int64_t q_shape[4] = {1, w.lq, w.heads, w.d},
+            q_strides[4] = {w.lq * w.heads * w.d, w.d, w.lq * w.d, 1};
+    int64_t k_shape[4] = {1, w.lk, w.heads, w.d},
+            k_strides[4] = {w.lk * w.heads * w.d, w.d, w.lk * w.d, 1};
+    DLTensor qt{q->data, {kDLCPU, 0}, 4, {kDLFloat, 32, 1}, q_shape, q_strides, 0};
+    DLTensor kt{k->data, {kDLCPU, 0}, 4, {kDLFloat, 16, 1}, k_shape, k_strides, 0};
+    DLTensor vt{v->data, {kDLCPU, 0}, 4, {kDLFloat, 16, 1}, k_shape, k_strides, 0};
+    DLTensor ot{out.data(), {kDLCPU, 0}, 4, {kDLFloat, 32, 1}, q_shape, nullptr, 0};
+    for (int r = 0; r < rounds; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (dattn_forward(layer, &qt, &kt, &vt, nullptr, &ot, nullptr) != DATTN_OK) {
+        std::fprintf(stderr, "dattn_forward: %s\n", dattn_last_error());
+        return 1;
+      }
+      direct_best =
+          std::min(direct_best,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    dattn_layer_destroy(layer);
+  }
   // Differences against the first path's output.
   const float* base = static_cast<const float*>(paths[0].node->data);
   const double base_rate = flop / paths[0].best / 1e9;
@@ -177,6 +218,8 @@ int main(int argc, char** argv) {
     std::printf("%-34s %10.3f %10.1f %7.2fx %14.3g\n", p.name.c_str(), p.best, rate,
                 rate / base_rate, std::sqrt(num / (den > 0 ? den : 1)));
   }
+  std::printf("%-34s %10.3f %10.1f %7.2fx %14s\n", "(dattn_forward alone, its threads)",
+              direct_best, flop / direct_best / 1e9, flop / direct_best / 1e9 / base_rate, "");
   if (dattn_ggml_compute_errors() != 0)
     std::printf("dattn_ggml compute errors: %ld (%s)\n", dattn_ggml_compute_errors(),
                 dattn_ggml_last_compute_error());

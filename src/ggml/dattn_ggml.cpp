@@ -100,8 +100,9 @@ int run_call(const NodeRecord& record, ggml_tensor* dst, std::int64_t n, std::in
   std::int64_t q_shape[4] = {1, rows, 1, d}, q_strides[4] = {qs[3], qs[1], qs[2], 1};
   std::int64_t k_shape[4] = {1, lk, 1, d}, k_strides[4] = {ks[3], ks[1], ks[2], 1};
   std::int64_t v_shape[4] = {1, lk, 1, dv}, v_strides[4] = {vs[3], vs[1], vs[2], 1};
-  std::int64_t o_shape[4] = {1, rows, 1, dv}, o_strides[4] = {0, heads * dv, dv, 1};
-  o_strides[0] = q->ne[1] * heads * dv;
+  // The result [Dv, H, L_q, N] is BSHD [N, L_q, H, Dv], compact.
+  std::int64_t o_shape[4] = {1, rows, 1, dv},
+               o_strides[4] = {q->ne[1] * heads * dv, heads * dv, dv, 1};
 
   DLTensor qt{}, kt{}, vt{}, ot{}, mt{};
   qt.data = static_cast<char*>(q->data) + n * q->nb[3] + h * q->nb[2] + l0 * q->nb[1];
