@@ -293,6 +293,10 @@ TEST(GgmlOperator, ShortQueriesOnGgmlsOneRowPath) {
     c.lq = lq;
     c.lk = 600;
     expect_accurate(c);
+    // Below 64 rows ggml rounds Q to F16 and accumulates P.V in F16 (F16 V): there even the
+    // bf16 default is within 1.5x of ggml's own error.
+    const Errors e = run_case(c, 2);
+    EXPECT_LE(e.dattn_default, 1.5 * e.ggml) << describe(c);
   }
 }
 
