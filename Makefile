@@ -111,8 +111,13 @@ test-cpu-classes: build
 	  grep -E "tests passed" $(BUILD)/ctest-$$c.log; \
 	done
 
-# The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer.
+# The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer; the ggml operator's
+# tests too where `make ggml-check` has built ggml (CI runs that first).
 asan:
+	@if [ -f $(GGML_PREFIX)/lib/cmake/ggml/ggml-config.cmake ]; then \
+	  $(MAKE) --no-print-directory configure PRESET=asan && \
+	  cmake build/asan -Dggml_DIR=$(GGML_PREFIX)/lib/cmake/ggml -DDATTN_GGML_MAX_NAME=$(GGML_MAX_NAME) > /dev/null; \
+	fi
 	$(MAKE) test PRESET=asan
 
 # The libFuzzer targets of tests/fuzz (clang, ASan + UBSan, build/fuzz), each run for

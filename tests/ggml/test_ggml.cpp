@@ -93,6 +93,12 @@ bool masked_out(const Case& c, i64 n, i64 h, i64 l, i64 j) {
 }
 
 void build(const Case& c, Graphs& g, unsigned seed) {
+  if (g.ctx != nullptr) ggml_free(g.ctx);  // rebuilt: the previous tensors go
+  g.ctx = nullptr;
+  g.mask = nullptr;
+  g.maskf.clear();
+  g.mask_ne[0] = g.mask_ne[1] = 0;
+  g.mask_ne[2] = g.mask_ne[3] = 1;
   ggml_init_params params{};
   const i64 elems = c.d * c.lq * c.heads * c.batch +
                     2 * (c.d + c.dv) * c.lk * c.kv_heads * c.batch +
