@@ -249,6 +249,51 @@ TEST(Flash, AKeyMaskBroadcastOverHeadsAndRowsIsReadPerKey) {
   }
 }
 
+TEST(Flash, AnAdditiveMinusInfHidesWhateverTheLogitHolds) {
+  // -inf in an additive mask hides the key even where the logit is NaN or inf (a NaN query):
+  // a row whose keys are all hidden is zeros with LSE -inf (docs/semantics.md, "Finite masks
+  // and non-finite inputs"), and the other rows do not move.
+  const i64 S = 75, H = 2, D = 40;
+  auto q = random_tensor({1, S, H, D}, DType::F32, 41),
+       k = random_tensor({1, S, H, D}, DType::F32, 42),
+       v = random_tensor({1, S, H, D}, DType::F32, 43);
+  const auto padded = [](i64 i) { return i >= 60; };  // rows (and keys) 60.. are padding
+  for (const DType mask_dtype : {DType::F32, DType::F16}) {
+    Tensor mask = Tensor::empty({1, H, S, S}, mask_dtype);
+    for (i64 h = 0; h < H; ++h)
+      for (i64 i = 0; i < S; ++i)
+        for (i64 j = 0; j < S; ++j) {
+          const float x = padded(i) || padded(j) ? -INFINITY : 0.25f * float((i + j) % 3);
+          const i64 at = (h * S + i) * S + j;
+          if (mask_dtype == DType::F32)
+            mask.data_as<float>()[at] = x;
+          else
+            mask.data_as<std::uint16_t>()[at] = f32_to_f16(x);
+        }
+    AttentionMetadata meta;
+    meta.attn_mask = mask.view();
+    AttentionConfig c = flash_config(H, H, D, false);
+    const auto clean = Attention(c).forward(q, k, v, meta, true);
+    Tensor q2 = Tensor::empty({1, S, H, D}, DType::F32);
+    std::copy_n(q.data_as<float>(), q.numel(), q2.data_as<float>());
+    for (i64 i = 60; i < S; ++i)
+      for (i64 e = 0; e < H * D; ++e) q2.data_as<float>()[i * H * D + e] = e % 2 ? NAN : INFINITY;
+    const auto poisoned = Attention(c).forward(q2, k, v, meta, true);
+    c.backend = "REFERENCE";
+    const auto want = Attention(c).forward(q2, k, v, meta, true);
+    EXPECT_EQ(std::memcmp(poisoned.out.data(), clean.out.data(), clean.out.numel() * sizeof(float)),
+              0)
+        << dtype_name(mask_dtype);
+    EXPECT_LE(testing::compare(poisoned.out.view(), want.out.view()).normwise_rel, 1e-5);
+    for (i64 h = 0; h < H; ++h)
+      for (i64 i = 60; i < S; ++i) {
+        EXPECT_EQ(poisoned.lse->data_as<float>()[h * S + i], -INFINITY) << h << " " << i;
+        for (i64 e = 0; e < D; ++e)
+          EXPECT_EQ(poisoned.out.data_as<float>()[(i * H + h) * D + e], 0.0f);
+      }
+  }
+}
+
 TEST(Flash, KeysADenseMaskHidesFromEveryRowAreHarmless) {
   // An additive (-inf) or bool 4-D mask that hides some keys from every row of every query head
   // of their KV head (ggml's key padding, a padded text tail): those keys are packed as zeros,

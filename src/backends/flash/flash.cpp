@@ -668,8 +668,12 @@ class Worker {
         for (i64 jj = 0; jj < visible; ++jj)
           if (bytes[base + jj * m.stride(3)] == 0) row[jj * ks] = kNegInf;
       } else {
-        for (i64 jj = 0; jj < visible; ++jj)
-          row[jj * ks] += load_as_f32(m.data(), m.dtype(), base + jj * m.stride(3));
+        // -inf hides the key whatever its logit holds (a NaN or inf query or key: NaN + -inf
+        // would be a visible NaN); any other value is added.
+        for (i64 jj = 0; jj < visible; ++jj) {
+          const float add = load_as_f32(m.data(), m.dtype(), base + jj * m.stride(3));
+          row[jj * ks] = add == kNegInf ? kNegInf : row[jj * ks] + add;
+        }
       }
     }
   }
