@@ -23,9 +23,10 @@
  *   max_bias or logit_softcap other than 0, a backend option) the function returns NULL, adds
  *   nothing to the context and sets dattn_last_error() / dattn_last_error_field().
  * - Threads: ggml runs the node on every thread of its pool (GGML_N_TASKS_MAX). The rows
- *   N x H x L_q are split evenly over the nth threads; each thread runs its share as
- *   single-threaded dattn calls (one per head it touches), so no thread of dattn's own nests
- *   inside ggml's pool. Each row's result does not depend on the thread count.
+ *   N x H x L_q are split evenly over the nth threads (FLASH, REFERENCE: any rows; SAGE, which
+ *   quantizes over a call's rows: whole heads); each thread runs its share as single-threaded
+ *   dattn calls (one per head it touches), so no thread of dattn's own nests inside ggml's
+ *   pool. The result does not depend on the thread count.
  * - Precision (dattn_ggml_options.precision, else $DATTN_GGML_PRECISION, else "auto"):
  *   "auto" computes in bf16 (FLASH's compute_dtype=bf16: Q, K, P and V rounded to bf16,
  *   products accumulated in f32) where the CPU has a fast bf16 engine (AMX tiles, or

@@ -23,6 +23,11 @@ namespace {
 // sizes, scale, backend and options). Interned for the life of the process.
 struct NodeRecord {
   dattn_layer* layer = nullptr;
+  // Whether a thread's share must be whole heads: the exact backends (FLASH, REFERENCE)
+  // compute each row on its own, so any split of the rows gives the same answer; the others
+  // (SAGE) quantize and smooth over the rows of a call, so only calls over whole heads keep
+  // the result independent of ggml's thread count.
+  bool whole_heads = false;
 };
 
 std::mutex g_records_mutex;
@@ -168,9 +173,10 @@ void compute(ggml_tensor* dst, int ith, int nth, void* userdata) {
   const auto& record = *static_cast<const NodeRecord*>(userdata);
   const ggml_tensor* q = dst->src[0];
   const std::int64_t lq = q->ne[1], heads = q->ne[2], batch = q->ne[3];
-  const std::int64_t total = lq * heads * batch;
-  // Rows in (n, h, l) order, split evenly: thread ith takes [r0, r1).
-  const std::int64_t r0 = total * ith / nth, r1 = total * (ith + 1) / nth;
+  // Rows in (n, h, l) order, in units of one row (or one whole head), split evenly: thread ith
+  // takes rows [r0, r1).
+  const std::int64_t unit = record.whole_heads ? lq : 1, units = lq * heads * batch / unit;
+  const std::int64_t r0 = units * ith / nth * unit, r1 = units * (ith + 1) / nth * unit;
   for (std::int64_t r = r0; r < r1;) {
     const std::int64_t n = r / (lq * heads), h = (r / lq) % heads, l0 = r % lq;
     const std::int64_t l1 = std::min(lq, l0 + (r1 - r));
@@ -225,6 +231,8 @@ NodeRecord* record_for(const std::string& backend, const std::string& precision,
   if (dattn_layer_create(&config, &layer) != DATTN_OK) return nullptr;  // message set
   auto record = std::make_unique<NodeRecord>();
   record->layer = layer;
+  const std::string resolved = dattn_layer_backend(layer);
+  record->whole_heads = resolved != "FLASH" && resolved != "REFERENCE";
   NodeRecord* raw = record.get();
   map.emplace(std::move(key), std::move(record));
   return raw;
