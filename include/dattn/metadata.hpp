@@ -92,7 +92,7 @@ using BackendOptions = std::map<std::string, OptionValue, std::less<>>;
 
 // A backend option's value written as text (the CLI's NAME:key=value, the C ABI's "key=value"
 // strings): an integer, else a finite number, else true / false, else the string itself
-// (surrounding spaces and tabs trimmed).
+// (surrounding whitespace trimmed).
 OptionValue parse_option_value(std::string_view text);
 
 // The seed's well-known `extra` keys as typed fields, plus the opaque slot.

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/strings.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/metadata.hpp"
@@ -117,9 +118,8 @@ dattn::AttentionConfig config_from(const dattn_layer_config* c) {
     for (const char* const* o = c->options; *o != nullptr; ++o) {
       const std::string_view item(*o);
       const std::size_t eq = item.find('=');
-      std::string key(item.substr(0, eq == std::string_view::npos ? 0 : eq));
-      while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
-      while (!key.empty() && (key.front() == ' ' || key.front() == '\t')) key.erase(0, 1);
+      const std::string key(
+          dattn::detail::trimmed(item.substr(0, eq == std::string_view::npos ? 0 : eq)));
       if (eq == std::string_view::npos || key.empty())
         invalid("options", "'" + std::string(item) + "' is not key=value");
       if (config.backend_options.count(key)) invalid("options", "'" + key + "' is given twice");

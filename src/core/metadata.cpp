@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 
+#include "core/strings.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -28,11 +29,7 @@ std::string lower(std::string_view s) {
 }  // namespace
 
 OptionValue parse_option_value(std::string_view text) {
-  const std::size_t first = text.find_first_not_of(" \t");
-  const std::string value =
-      first == std::string_view::npos
-          ? std::string()
-          : std::string(text.substr(first, text.find_last_not_of(" \t") - first + 1));
+  const std::string value(detail::trimmed(text));
   std::size_t used = 0;
   try {
     const long long integer = std::stoll(value, &used);
