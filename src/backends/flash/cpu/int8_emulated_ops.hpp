@@ -1,14 +1,16 @@
 // The integer dot of the SAGE engines in portable C++, lane by lane, as the instructions compute
 // it (int8_impl.hpp's `I`): G = 2 is vpmaddwd + vpaddd (two int16 products summed exactly, then
-// added modulo 2^32), G = 4 is vpdpbusd (four unsigned-by-signed byte products added modulo
-// 2^32). Integers are exact, so a twin's logits equal its real engine's bit for bit; the
+// added modulo 2^32), G = 4 with OffsetQ is vpdpbusd (four unsigned-by-signed byte products added
+// modulo 2^32), G = 4 without is avx2_int8's sign trick (four signed-by-signed byte products:
+// |q| by k carrying q's sign, pairs summed in 16 bits without saturating as |q|, |k| <= 127,
+// then added exactly). PvGroup: the groups of P.V's 8-bit codes (Pv8), 2 = int16 pairs. Integers are exact, so a twin's logits equal its real engine's bit for bit; the
 // conversion, the scales' product and the terms' sum are the same f32 operations in the same
 // order.
 // Include only from an engine file, inside its namespace, after int8_impl.hpp's headers.
 
-template <int Lanes, int Group, bool OffsetQ, int Keys>
+template <int Lanes, int Group, bool OffsetQ, int Keys, int PvGroup = Group>
 struct EmulatedInt8Ops {
-  static constexpr int W = Lanes, G = Group, kKeys = Keys;
+  static constexpr int W = Lanes, G = Group, kKeys = Keys, kPvGroup = PvGroup;
   static constexpr bool kOffsetQ = OffsetQ;
   struct ireg {
     std::uint32_t lane[W];
@@ -19,28 +21,31 @@ struct EmulatedInt8Ops {
     for (int i = 0; i < W; ++i) r.lane[i] = p[i];
     return r;
   }
-  static std::uint32_t group_dot(std::uint32_t q, std::uint32_t k) {
-    if constexpr (G == 2) {
+  // The dot of one group: G / GroupOf codes, a's bytes unsigned where UnsignedA.
+  template <int GroupOf, bool UnsignedA>
+  static std::uint32_t group_dot(std::uint32_t a, std::uint32_t b) {
+    if constexpr (GroupOf == 2) {
       const auto lo = [](std::uint32_t x) { return std::int32_t(std::int16_t(x & 0xffffu)); };
       const auto hi = [](std::uint32_t x) { return std::int32_t(std::int16_t(x >> 16)); };
-      return std::uint32_t(lo(q) * lo(k) + hi(q) * hi(k));
+      return std::uint32_t(lo(a) * lo(b) + hi(a) * hi(b));
     } else {
       std::uint32_t sum = 0;
       for (int t = 0; t < 4; ++t) {
-        const std::int32_t u = std::int32_t((q >> (8 * t)) & 0xffu);
-        const std::int32_t s = std::int32_t(std::int8_t((k >> (8 * t)) & 0xffu));
+        const std::uint32_t byte = (a >> (8 * t)) & 0xffu;
+        const std::int32_t u = UnsignedA ? std::int32_t(byte) : std::int32_t(std::int8_t(byte));
+        const std::int32_t s = std::int32_t(std::int8_t((b >> (8 * t)) & 0xffu));
         sum += std::uint32_t(u * s);
       }
       return sum;
     }
   }
   static ireg dot(ireg acc, const ireg& q, std::uint32_t k) {
-    for (int i = 0; i < W; ++i) acc.lane[i] += group_dot(q.lane[i], k);
+    for (int i = 0; i < W; ++i) acc.lane[i] += group_dot<G, OffsetQ>(q.lane[i], k);
     return acc;
   }
-  // P.V: the unsigned P group broadcast against the signed V groups (symmetric for G = 2).
+  // P.V: the unsigned P group broadcast against the signed V groups (symmetric for pairs).
   static ireg dot_pv(ireg acc, const ireg& v, std::uint32_t p) {
-    for (int i = 0; i < W; ++i) acc.lane[i] += group_dot(p, v.lane[i]);
+    for (int i = 0; i < W; ++i) acc.lane[i] += group_dot<PvGroup, true>(p, v.lane[i]);
     return acc;
   }
   // P.V in int16 pairs (pv_dtype int16: vpmaddwd + vpaddd, vpdpwssd), whatever G the Q.K^T dot

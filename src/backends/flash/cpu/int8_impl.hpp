@@ -12,10 +12,10 @@
 // asks); an all-zero one (or one so small that 127 / max|x| overflows) gets scale 0 and codes
 // 0. The softmax scale is folded into the query scales.
 //
-// I provides: W (int32 lanes per register), G (codes per 32-bit group: 2 = two int16 for
-// vpmaddwd, 4 = four bytes for vpdpbusd), kOffsetQ (query codes stored as q + 128 in unsigned
-// bytes, as vpdpbusd multiplies unsigned by signed bytes; the dot then carries 128 * sum(k),
-// which the key's code sum removes), ireg, zero(), load(p) (W groups), dot(acc, q, k) (for
+// I provides: W (int32 lanes per register), G (codes per 32-bit group: 2 = two int16, 4 = four
+// bytes for vpdpbusd or avx2_int8's vpmaddubsw sign trick), kOffsetQ (query codes stored as
+// q + 128 in unsigned bytes, as vpdpbusd multiplies unsigned by signed bytes; the dot then carries
+// 128 * sum(k), which the key's code sum removes; without it both are signed bytes), ireg, zero(), load(p) (W groups), dot(acc, q, k) (for
 // every lane: acc += the G products of the lane's group of q and the group k broadcast),
 // logits(st, acc, corr, qs, ks, kb, rt) (st[i] = fma(float(acc[i] - corr), qs[i] * ks, kb +
 // rt[i]), or with rt null fma(float(acc[i] - corr), qs[i] * ks, kb), then NaN where not
@@ -340,8 +340,8 @@ void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) 
 
 // P.V in integers (pv_dtype int8 or int16): P as unsigned codes per (row, tile), V as signed
 // codes per (tile, column), an integer dot (F::dot), f32 accumulation across tiles. F is the
-// format: Pv8<I> (8-bit codes, P 0..255 and V -127..127, on the Q.K^T dot's own groups of I::G:
-// vpdpbusd, or vpmaddwd's int16 pairs) or Pv16<I> (P 0..4095 and V -4095..4095 as int16 pairs:
+// format: Pv8<I> (8-bit codes, P 0..255 and V -127..127, in groups of pv8_group<I>(): 4 bytes
+// for vpdpbusd, or vpmaddwd's int16 pairs) or Pv16<I> (P 0..4095 and V -4095..4095 as int16 pairs:
 // vpmaddwd, vpdpwssd; 64 keys sum to at most 64 * 4095 * 4095 < 2^31, so the int32 lanes never
 // wrap).
 //   V tile   [dv] f32 column scales (max over the tile's keys of |v| / F::kVTop; NaN where one is
@@ -354,9 +354,19 @@ void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) 
 // scale 0 or NaN; a NaN row is NaN already through its sum). Each tile adds float(dot) * (ps_r *
 // vs_c) to O[r][c] * alpha_r in one fused multiply-add (I::accumulate), so every engine rounds
 // alike.
+// The groups of P.V's 8-bit codes: I::kPvGroup where the engine sets one (avx2_int8: int16
+// pairs, as vpmaddubsw would saturate on P codes up to 255), else the Q.K^T dot's I::G.
+template <class I>
+constexpr int pv8_group() {
+  if constexpr (requires { I::kPvGroup; })
+    return I::kPvGroup;
+  else
+    return I::G;
+}
+
 template <class I>
 struct Pv8 {
-  static constexpr int G = I::G;
+  static constexpr int G = pv8_group<I>();
   static constexpr float kPTop = 255.0f, kVTop = 127.0f;
   static typename I::ireg dot(typename I::ireg acc, const typename I::ireg& v, std::uint32_t p) {
     return I::dot_pv(acc, v, p);

@@ -1,9 +1,11 @@
-// The 256-bit SAGE engines: avx2_int8 (int8 codes in 16-bit lanes, vpmaddwd + vpaddd: two
-// products per 32-bit lane and instruction, exact, no saturation) and avx_vnni (vpdpbusd on
-// 256-bit registers: four unsigned-by-signed byte products per lane, queries offset by 128);
-// micro-tiles of 6 keys x 16 query rows (12 accumulators). Layouts: int8_impl.hpp, shared with
-// the emulated twins (kernels_int8_emulated.cpp). P.V, the softmax and the row conversions are
-// the avx2 engine's (f32).
+// The 256-bit SAGE engines: avx2_int8 (Q.K^T on vpmaddubsw with the sign trick: |q| as unsigned
+// bytes against k carrying q's sign (vpsignb), one vpmaddubsw's pair sums widened by vpmaddwd
+// with ones and added in 32 bits, exact, never two vpmaddubsw results summed in 16 bits; P.V
+// codes as int16 pairs on vpmaddwd) and avx_vnni (vpdpbusd on 256-bit registers: four
+// unsigned-by-signed byte products per lane, queries offset by 128); micro-tiles of 4 keys x 16
+// query rows (8 accumulators). Layouts: int8_impl.hpp, shared with the emulated twins
+// (kernels_int8_emulated.cpp). P.V (f32 unless pv_dtype says otherwise), the softmax and the row
+// conversions are the avx2 engine's.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -75,7 +77,7 @@ struct Avx2Lanes {
   }
 };
 
-// One group of the 4 x 2 micro-tiles on vpmaddwd + vpaddd, written as one block of assembly:
+// One group of the 4 x 2 P.V micro-tile on vpmaddwd + vpaddd, written as one block of assembly:
 // a[n][0] += a0 x b[n], a[n][1] += a1 x b[n] for the 4 broadcast groups b[n] at b0, b0 + s,
 // b1, b1 + s (byte strides). GCC 12 compiled the intrinsics' loop with a vmovdqa per vpaddd
 // (the accumulators rotated through other registers, 57 in int8_qk's loop), none here.
@@ -107,18 +109,50 @@ struct Avx2Lanes {
       : [x0] "x"(A0), [x1] "x"(A1), [b0] "r"(b0), [b1] "r"(b1), [s] "r"(s)                  \
       : "memory")
 
+// One group of the 4 x 2 Q.K^T micro-tile on the sign trick, as one block of assembly:
+// a[n][i] += |x_i| x (k_n signed by x_i) for the query registers x0, x1 (signed bytes; u0, u1
+// their magnitudes) and the 4 broadcast key groups k_n at b0, b0 + s, b1, b1 + s. vpmaddubsw
+// multiplies u's unsigned bytes by the signed ones and adds each pair in 16 bits: |q| <= 127 and
+// |k| <= 127, so a pair sums to at most 2 x 127 x 127 = 32258 and never saturates; vpmaddwd by
+// ones adds the two pairs of each 32-bit lane exactly.
+#define DATTN_SIGN_STEP(B, A0, A1)              \
+  "vpbroadcastd " B ", %[t2]\n\t"               \
+  "vpsignb %[x0], %[t2], %[t0]\n\t"             \
+  "vpsignb %[x1], %[t2], %[t1]\n\t"             \
+  "vpmaddubsw %[t0], %[u0], %[t0]\n\t"          \
+  "vpmaddubsw %[t1], %[u1], %[t1]\n\t"          \
+  "vpmaddwd %[ones], %[t0], %[t0]\n\t"          \
+  "vpmaddwd %[ones], %[t1], %[t1]\n\t"          \
+  "vpaddd %[t0], %[" A0 "], %[" A0 "]\n\t"      \
+  "vpaddd %[t1], %[" A1 "], %[" A1 "]\n\t"
+
 struct Avx2Int8 : Avx2Lanes {
-  static constexpr int G = 2;
+  static constexpr int G = 4;
   static constexpr bool kOffsetQ = false;
-  // int8_qk_keys' loop body for 4 keys: the query groups at q (2 registers), the keys' groups at
-  // k, k + dg, k + 2 dg, k + 3 dg.
+  // P.V's 8-bit codes go in int16 pairs (vpmaddwd): P's codes reach 255, which vpmaddubsw's
+  // 16-bit pair sums would saturate against V's.
+  static constexpr int kPvGroup = 2;
+  // int8_qk_keys' loop body for 4 keys: the query groups at q (2 registers of signed bytes), the
+  // keys' groups at k, k + dg, k + 2 dg, k + 3 dg.
   static void qk_group4(ireg (&a)[4][2], const std::uint32_t* q, const std::uint32_t* k, int dg) {
     const ireg x0 = load(q), x1 = load(q + W);
+    const ireg u0 = _mm256_abs_epi8(x0), u1 = _mm256_abs_epi8(x1);
+    const ireg ones = _mm256_set1_epi16(1);
     const std::uint32_t* b0 = k;
     const std::uint32_t* b1 = k + 2 * std::int64_t(dg);
     const std::int64_t s = std::int64_t(dg) * 4;
     ireg t0, t1, t2;
-    DATTN_MADD4X2(x0, x1);
+    __asm__(DATTN_SIGN_STEP("(%[b0])", "a00", "a01")         //
+            DATTN_SIGN_STEP("(%[b0],%[s])", "a10", "a11")    //
+            DATTN_SIGN_STEP("(%[b1])", "a20", "a21")         //
+            DATTN_SIGN_STEP("(%[b1],%[s])", "a30", "a31")    //
+            : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a10] "+x"(a[1][0]),
+              [a11] "+x"(a[1][1]), [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]),
+              [a30] "+x"(a[3][0]), [a31] "+x"(a[3][1]), [t0] "=&x"(t0), [t1] "=&x"(t1),
+              [t2] "=&x"(t2)
+            : [x0] "x"(x0), [x1] "x"(x1), [u0] "x"(u0), [u1] "x"(u1), [ones] "x"(ones),
+              [b0] "r"(b0), [b1] "r"(b1), [s] "r"(s)
+            : "memory");
   }
   // int8pv_rows' loop body for 4 rows (int16 pairs either way): V's groups at v (2 registers),
   // the rows' P groups at p[0..4).
@@ -133,13 +167,19 @@ struct Avx2Int8 : Avx2Lanes {
   static void pv8_group4(ireg (&a)[4][2], const std::uint32_t* v, const std::uint32_t* p) {
     pv16_group4(a, v, p);
   }
+  // acc += q . k over each lane's 4 signed bytes (the sign trick, as qk_group4).
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(q, _mm256_set1_epi32(std::int32_t(k))));
+    const ireg t = _mm256_sign_epi8(_mm256_set1_epi32(std::int32_t(k)), q);
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), t), _mm256_set1_epi16(1)));
   }
   // P.V: P codes (0..255, or 0..4095 for pv_dtype int16) and V codes as int16 pairs;
   // vpmaddwd is symmetric.
-  static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) { return dot(acc, v, p); }
-  static ireg dot_pv16(ireg acc, ireg v, std::uint32_t p) { return dot(acc, v, p); }
+  static ireg dot_pairs(ireg acc, ireg v, std::uint32_t p) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_set1_epi32(std::int32_t(p))));
+  }
+  static ireg dot_pv(ireg acc, ireg v, std::uint32_t p) { return dot_pairs(acc, v, p); }
+  static ireg dot_pv16(ireg acc, ireg v, std::uint32_t p) { return dot_pairs(acc, v, p); }
 };
 
 struct AvxVnni : Avx2Lanes {
@@ -159,6 +199,7 @@ struct AvxVnni : Avx2Lanes {
 };
 
 #undef DATTN_MADD4X2
+#undef DATTN_SIGN_STEP
 
 constexpr Int8Functions kAvx2Int8 = int8_functions<Avx2Int8, &avx2_kernels>();
 constexpr Int8Functions kAvxVnni = int8_functions<AvxVnni, &avx2_kernels>();

@@ -20,7 +20,8 @@ namespace int8_emulated_impl {
 
 #include "backends/flash/cpu/int8_emulated_ops.hpp"
 
-using Avx2Int8 = EmulatedInt8Ops<8, 2, false, 6>;
+// avx2_int8: signed bytes (the sign trick) for Q.K^T, int16 pairs for P.V's 8-bit codes.
+using Avx2Int8 = EmulatedInt8Ops<8, 4, false, 6, 2>;
 using AvxVnni = EmulatedInt8Ops<8, 4, true, 6>;
 using Avx512Vnni = EmulatedInt8Ops<16, 4, true, 8>;
 
