@@ -110,48 +110,64 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
   ASSERT_GE(engines.size(), 5u);  // portable_int8 and the four twins run everywhere
   std::mt19937 rng(5);
   std::normal_distribution<float> n(0.0f, 2.0f);
-  for (const int d : {64, 59, 128})
-    for (const int keys : {64, 37, 1}) {
-      const int rows = 61;
-      std::vector<std::vector<float>> results;
-      std::vector<float> k(std::size_t(keys) * (d + 16));
-      for (float& x : k) x = n(rng);
-      std::vector<float> qt(std::size_t(d) * 64 * 2, 0.0f);
-      for (int e = 0; e < d; ++e)
-        for (int r = 0; r < rows; ++r) qt[std::size_t(e) * 128 + r] = n(rng);
-      k[3] = INFINITY;  // key 0 is not finite: its logits are NaN in every row
-      qt[std::size_t(d / 2) * 128 + 7] = NAN;  // query row 7 is not: its logits are NaN
-      for (const flash::Engine* e : engines) {
-        SCOPED_TRACE(std::string(e->name) + " d " + std::to_string(d) + " keys " +
-                     std::to_string(keys));
-        const flash::TileKernels& kk = e->kernels();
-        const int rows_p = (rows + kk.row_align - 1) / kk.row_align * kk.row_align;
-        ASSERT_LE(rows_p, 128);
-        std::vector<unsigned char> ws(kk.formats.workspace_bytes(rows_p, d, 64) + 64),
-            tile(kk.formats.k_tile_bytes(d) + 64);
-        const auto align = [](unsigned char* p) {
-          return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(p) + 63) / 64 * 64);
-        };
-        void* w = align(ws.data());
-        void* t = align(tile.data());
-        kk.formats.pack_q(qt.data(), 128, rows_p, d, 64, 0.125f, w);
-        kk.formats.pack_k(k.data(), d + 16, keys, d, t);
-        std::vector<float> st(std::size_t(keys) * 144, -1.0f);
-        kk.steps.qk(t, 0, qt.data(), 128, st.data(), 144, keys, rows_p, d, w);
-        std::vector<float> mine;
-        for (int j = 0; j < keys; ++j)
-          for (int r = 0; r < rows; ++r) mine.push_back(st[std::size_t(j) * 144 + r]);
-        for (int r = 0; r < rows; ++r) EXPECT_TRUE(std::isnan(mine[std::size_t(r)])) << r;
-        for (int j = 0; j < keys; ++j)
-          EXPECT_TRUE(std::isnan(mine[std::size_t(j) * rows + 7])) << j;
-        results.push_back(std::move(mine));
+  // `extreme`: every element +-2, so every code is +-127 and every pair of products reaches the
+  // 16-bit pair sums' largest magnitude (avx2_int8's vpmaddubsw: 2 x 127 x 127); the logits are
+  // then exactly 0.125 q . k up to f32 rounding.
+  std::bernoulli_distribution coin(0.5);
+  for (const bool extreme : {false, true})
+    for (const int d : {64, 59, 128})
+      for (const int keys : {64, 37, 1}) {
+        const int rows = 61;
+        const auto draw = [&] { return extreme ? (coin(rng) ? 2.0f : -2.0f) : n(rng); };
+        std::vector<std::vector<float>> results;
+        std::vector<float> k(std::size_t(keys) * (d + 16));
+        for (float& x : k) x = draw();
+        std::vector<float> qt(std::size_t(d) * 64 * 2, 0.0f);
+        for (int e = 0; e < d; ++e)
+          for (int r = 0; r < rows; ++r) qt[std::size_t(e) * 128 + r] = draw();
+        k[3] = INFINITY;  // key 0 is not finite: its logits are NaN in every row
+        qt[std::size_t(d / 2) * 128 + 7] = NAN;  // query row 7 is not: its logits are NaN
+        for (const flash::Engine* e : engines) {
+          SCOPED_TRACE(std::string(e->name) + " d " + std::to_string(d) + " keys " +
+                       std::to_string(keys) + (extreme ? " extreme" : ""));
+          const flash::TileKernels& kk = e->kernels();
+          const int rows_p = (rows + kk.row_align - 1) / kk.row_align * kk.row_align;
+          ASSERT_LE(rows_p, 128);
+          std::vector<unsigned char> ws(kk.formats.workspace_bytes(rows_p, d, 64) + 64),
+              tile(kk.formats.k_tile_bytes(d) + 64);
+          const auto align = [](unsigned char* p) {
+            return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(p) + 63) / 64 * 64);
+          };
+          void* w = align(ws.data());
+          void* t = align(tile.data());
+          kk.formats.pack_q(qt.data(), 128, rows_p, d, 64, 0.125f, w);
+          kk.formats.pack_k(k.data(), d + 16, keys, d, t);
+          std::vector<float> st(std::size_t(keys) * 144, -1.0f);
+          kk.steps.qk(t, 0, qt.data(), 128, st.data(), 144, keys, rows_p, d, w);
+          std::vector<float> mine;
+          for (int j = 0; j < keys; ++j)
+            for (int r = 0; r < rows; ++r) mine.push_back(st[std::size_t(j) * 144 + r]);
+          for (int r = 0; r < rows; ++r) EXPECT_TRUE(std::isnan(mine[std::size_t(r)])) << r;
+          for (int j = 0; j < keys; ++j)
+            EXPECT_TRUE(std::isnan(mine[std::size_t(j) * rows + 7])) << j;
+          if (extreme)
+            for (int j = 1; j < keys; ++j)
+              for (int r = 0; r < rows; ++r) {
+                if (r == 7) continue;
+                double dot = 0.0;
+                for (int e = 0; e < d; ++e)
+                  dot += double(qt[std::size_t(e) * 128 + r]) * k[std::size_t(j) * (d + 16) + e];
+                ASSERT_NEAR(mine[std::size_t(j) * rows + r], 0.125 * dot, 1e-5 * 0.5 * d)
+                    << "key " << j << " row " << r;
+              }
+          results.push_back(std::move(mine));
+        }
+        for (std::size_t n2 = 1; n2 < results.size(); ++n2)
+          EXPECT_EQ(
+              std::memcmp(results[n2].data(), results[0].data(), results[0].size() * sizeof(float)),
+              0)
+              << engines[n2]->name << " vs " << engines[0]->name;
       }
-      for (std::size_t n2 = 1; n2 < results.size(); ++n2)
-        EXPECT_EQ(
-            std::memcmp(results[n2].data(), results[0].data(), results[0].size() * sizeof(float)),
-            0)
-            << engines[n2]->name << " vs " << engines[0]->name;
-    }
 }
 
 // The documented accuracy (docs/semantics.md, "SAGE"): cosine >= 0.9995 and mean relative L1
