@@ -293,9 +293,9 @@ const TileKernels& avx512_kernels();
 const TileKernels& avx512_bf16_kernels();
 const TileKernels& avx512_bf16_emulated_kernels();
 // The SAGE engines (8-bit Q.K^T, cpu/int8_impl.hpp): signed bytes with vpmaddubsw's sign trick
-// on AVX2, its portable C++ twin, and vpdpbusd on 256-bit (AVX-VNNI) and 512-bit (AVX512-VNNI) registers,
-// each with a portable twin computing the same integers in the same layouts. P.V: f32 on the
-// AVX2/portable bases; avx512_vnni's on vdpbf16ps where the CPU has AVX512-BF16 (its twin on
+// on AVX2, its portable C++ twin, and vpdpbusd on 256-bit (AVX-VNNI) and 512-bit (AVX512-VNNI)
+// registers, each with a portable twin computing the same integers in the same layouts. P.V: f32 on
+// the AVX2/portable bases; avx512_vnni's on vdpbf16ps where the CPU has AVX512-BF16 (its twin on
 // the emulated bf16 dot), f32 AVX-512 otherwise or with pv_dtype f32.
 const TileKernels& portable_int8_kernels();
 const TileKernels& avx2_int8_kernels();

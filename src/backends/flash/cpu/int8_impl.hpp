@@ -15,13 +15,13 @@
 // I provides: W (int32 lanes per register), G (codes per 32-bit group: 2 = two int16, 4 = four
 // bytes for vpdpbusd or avx2_int8's vpmaddubsw sign trick), kOffsetQ (query codes stored as
 // q + 128 in unsigned bytes, as vpdpbusd multiplies unsigned by signed bytes; the dot then carries
-// 128 * sum(k), which the key's code sum removes; without it both are signed bytes), ireg, zero(), load(p) (W groups), dot(acc, q, k) (for
-// every lane: acc += the G products of the lane's group of q and the group k broadcast),
-// logits(st, acc, corr, qs, ks, kb, rt) (st[i] = fma(float(acc[i] - corr), qs[i] * ks, kb +
-// rt[i]), or with rt null fma(float(acc[i] - corr), qs[i] * ks, kb), then NaN where not
-// finite; the same f32 steps on every engine, so that all round alike.
-// The scales are multiplied together before the dot: a logit that is finite in f32 never
-// overflows on the way, however large the query's scale).
+// 128 * sum(k), which the key's code sum removes; without it both are signed bytes), ireg, zero(),
+// load(p) (W groups), dot(acc, q, k) (for every lane: acc += the G products of the lane's group of
+// q and the group k broadcast), logits(st, acc, corr, qs, ks, kb, rt) (st[i] = fma(float(acc[i] -
+// corr), qs[i] * ks, kb + rt[i]), or with rt null fma(float(acc[i] - corr), qs[i] * ks, kb), then
+// NaN where not finite; the same f32 steps on every engine, so that all round alike. The scales are
+// multiplied together before the dot: a logit that is finite in f32 never overflows on the way,
+// however large the query's scale).
 //
 // Layouts (a group is one uint32 of G codes over consecutive elements of d, the lowest first;
 // missing elements are code 0, stored 128 for offset queries):

@@ -80,7 +80,7 @@ struct Avx2Lanes {
 // One group of the 4 x 2 P.V micro-tile on vpmaddwd + vpaddd, written as one block of assembly:
 // a[n][0] += a0 x b[n], a[n][1] += a1 x b[n] for the 4 broadcast groups b[n] at b0, b0 + s,
 // b1, b1 + s (byte strides). GCC 12 compiled the intrinsics' loop with a vmovdqa per vpaddd
-// (the accumulators rotated through other registers, 57 in int8_qk's loop), none here.
+// (the accumulators rotated through other registers, 57 in the Q.K^T loop of the time), none here.
 #define DATTN_MADD4X2(A0, A1)                                                               \
   __asm__(                                                                                  \
       "vpbroadcastd (%[b0]), %[t2]\n\t"                                                     \
@@ -115,6 +115,7 @@ struct Avx2Lanes {
 // multiplies u's unsigned bytes by the signed ones and adds each pair in 16 bits: |q| <= 127 and
 // |k| <= 127, so a pair sums to at most 2 x 127 x 127 = 32258 and never saturates; vpmaddwd by
 // ones adds the two pairs of each 32-bit lane exactly.
+// clang-format off
 #define DATTN_SIGN_STEP(B, A0, A1)              \
   "vpbroadcastd " B ", %[t2]\n\t"               \
   "vpsignb %[x0], %[t2], %[t0]\n\t"             \
@@ -125,6 +126,7 @@ struct Avx2Lanes {
   "vpmaddwd %[ones], %[t1], %[t1]\n\t"          \
   "vpaddd %[t0], %[" A0 "], %[" A0 "]\n\t"      \
   "vpaddd %[t1], %[" A1 "], %[" A1 "]\n\t"
+// clang-format on
 
 struct Avx2Int8 : Avx2Lanes {
   static constexpr int G = 4;
@@ -142,14 +144,13 @@ struct Avx2Int8 : Avx2Lanes {
     const std::uint32_t* b1 = k + 2 * std::int64_t(dg);
     const std::int64_t s = std::int64_t(dg) * 4;
     ireg t0, t1, t2;
-    __asm__(DATTN_SIGN_STEP("(%[b0])", "a00", "a01")         //
-            DATTN_SIGN_STEP("(%[b0],%[s])", "a10", "a11")    //
-            DATTN_SIGN_STEP("(%[b1])", "a20", "a21")         //
-            DATTN_SIGN_STEP("(%[b1],%[s])", "a30", "a31")    //
-            : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a10] "+x"(a[1][0]),
-              [a11] "+x"(a[1][1]), [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]),
-              [a30] "+x"(a[3][0]), [a31] "+x"(a[3][1]), [t0] "=&x"(t0), [t1] "=&x"(t1),
-              [t2] "=&x"(t2)
+    __asm__(DATTN_SIGN_STEP("(%[b0])", "a00", "a01")       //
+            DATTN_SIGN_STEP("(%[b0],%[s])", "a10", "a11")  //
+            DATTN_SIGN_STEP("(%[b1])", "a20", "a21")       //
+            DATTN_SIGN_STEP("(%[b1],%[s])", "a30", "a31")  //
+            : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a10] "+x"(a[1][0]), [a11] "+x"(a[1][1]),
+              [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]), [a30] "+x"(a[3][0]), [a31] "+x"(a[3][1]),
+              [t0] "=&x"(t0), [t1] "=&x"(t1), [t2] "=&x"(t2)
             : [x0] "x"(x0), [x1] "x"(x1), [u0] "x"(u0), [u1] "x"(u1), [ones] "x"(ones),
               [b0] "r"(b0), [b1] "r"(b1), [s] "r"(s)
             : "memory");
