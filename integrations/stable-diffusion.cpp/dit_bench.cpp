@@ -13,16 +13,19 @@
 //   sdcpp_dit_bench --model flux|wan [--width 1024 --height 1024] [--frames 81] [--depth N]
 //                   [--single-depth N] [--threads 2] [--paths ggml-fa,dattn,dattn-sage,mul-mat]
 //                   [--weights f16|f32] [--verbose]
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flux.hpp"  // brings ggml_extend_backend.hpp: sd.cpp's own ggml_backend_cpu_* wrappers
@@ -65,20 +68,20 @@ Options parse(int argc, char** argv) {
         usage(a + ": '" + v + "' is not an integer >= 1");
       return int(n);
     };
-    if (a == "--model")
+    // The integer flags and the field each sets.
+    static const std::pair<const char*, int Options::*> kIntegers[] = {
+        {"--width", &Options::width},
+        {"--height", &Options::height},
+        {"--frames", &Options::frames},
+        {"--depth", &Options::depth},
+        {"--single-depth", &Options::single_depth},
+        {"--threads", &Options::threads}};
+    const auto flag = std::find_if(std::begin(kIntegers), std::end(kIntegers),
+                                   [&](const auto& f) { return a == f.first; });
+    if (flag != std::end(kIntegers))
+      o.*(flag->second) = integer();
+    else if (a == "--model")
       o.model = value();
-    else if (a == "--width")
-      o.width = integer();
-    else if (a == "--height")
-      o.height = integer();
-    else if (a == "--frames")
-      o.frames = integer();
-    else if (a == "--depth")
-      o.depth = integer();
-    else if (a == "--single-depth")
-      o.single_depth = integer();
-    else if (a == "--threads")
-      o.threads = integer();
     else if (a == "--verbose")
       o.verbose = true;
     else if (a == "--weights") {

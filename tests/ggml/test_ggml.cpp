@@ -337,6 +337,13 @@ dattn_ggml_options path_options(const std::string& path) {
   return o;
 }
 
+// The operator's node for `path` over g's operands (no ALiBi, no softcap); nullptr, with
+// dattn_last_error() set, where it is refused.
+ggml_tensor* path_node(const Graphs& g, const std::string& path, float scale) {
+  const auto o = path_options(path);
+  return dattn_ggml_flash_attn_ext_with(g.ctx, g.q, g.k, g.v, g.mask, scale, 0.0f, 0.0f, &o);
+}
+
 struct Errors {
   double ggml = 0, dattn_f32 = 0, dattn_default = 0, mul_mat = 0;
 };
@@ -464,9 +471,7 @@ TEST(GgmlOperator, ThreadCountsGiveTheSameRows) {
   build(c, g, 7);
   const float scale = 0.125f;
   for (const std::string path : {"f32", "auto", "sage"}) {
-    const auto o = path_options(path);
-    ggml_tensor* node =
-        dattn_ggml_flash_attn_ext_with(g.ctx, g.q, g.k, g.v, g.mask, scale, 0.0f, 0.0f, &o);
+    ggml_tensor* node = path_node(g, path, scale);
     ASSERT_NE(node, nullptr) << dattn_last_error();
     const auto one = compute(g, node, 1);
     for (int threads : {2, 3, 5, 400}) {  // 400: more threads than rows of some heads
@@ -592,9 +597,7 @@ TEST(GgmlOperator, TwoTokenPopulationsWithPaddedText) {
     const double ggml_err = normwise(
         compute(g, ggml_flash_attn_ext(g.ctx, g.q, g.k, g.v, g.mask, scale, 0, 0), 2).data(), ref);
     for (const std::string path : {"f32", "auto", "sage"}) {
-      const auto o = path_options(path);
-      ggml_tensor* node =
-          dattn_ggml_flash_attn_ext_with(g.ctx, g.q, g.k, g.v, g.mask, scale, 0, 0, &o);
+      ggml_tensor* node = path_node(g, path, scale);
       ASSERT_NE(node, nullptr) << dattn_last_error();
       const auto out = compute(g, node, 2);
       const double err = normwise(out.data(), ref);
