@@ -155,8 +155,8 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
               for (int r = 0; r < rows; ++r) {
                 if (r == 7) continue;
                 double dot = 0.0;
-                for (int e = 0; e < d; ++e)
-                  dot += double(qt[std::size_t(e) * 128 + r]) * k[std::size_t(j) * (d + 16) + e];
+                for (int ch = 0; ch < d; ++ch)
+                  dot += double(qt[std::size_t(ch) * 128 + r]) * k[std::size_t(j) * (d + 16) + ch];
                 ASSERT_NEAR(mine[std::size_t(j) * rows + r], 0.125 * dot, 1e-5 * 0.5 * d)
                     << "key " << j << " row " << r;
               }

@@ -193,7 +193,7 @@ TEST(SageInputs, MaskedKeysChangeNothing) {
   AttentionMetadata m;
   m.attn_mask = mask.view();
   for (const std::string& e : int8_engine_names())
-    for (const char* pv : {"auto", "int8", "int16"}) {
+    for (const char* pv : {"auto", "f32", "int8", "int16"}) {
       const bool pv8 = std::string(pv) == "int8";
       SCOPED_TRACE(e + " pv " + pv);
       const Tensor q = random_tensor({1, sq, h, d}, DType::F32, 1);

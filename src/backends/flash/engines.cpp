@@ -258,8 +258,10 @@ bool parse_bool_option(const BackendOptions& options, const std::string& name, b
 }
 
 PvDtype automatic_pv_dtype(const Engine& e) {
-  if (e.kernels == &avx512_vnni_kernels || e.kernels == &avx512_vnni_emulated_kernels)
-    return PvDtype::int16;
+  for (const auto kernels :
+       {&avx512_vnni_kernels, &avx512_vnni_emulated_kernels, &avx2_int8_kernels,
+        &avx2_int8_emulated_kernels, &avx_vnni_kernels, &avx_vnni_emulated_kernels})
+    if (e.kernels == kernels) return PvDtype::int16;
   return PvDtype::automatic;
 }
 

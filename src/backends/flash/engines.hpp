@@ -91,11 +91,12 @@ bool parse_bool_option(const BackendOptions& options, const std::string& name,
 // SAGE's option `rotate` when it is not given (docs/semantics.md, "SAGE": chosen by
 // measurement).
 inline constexpr bool kRotateByDefault = true;
-// What pv_dtype auto is on engine e, chosen by measurement (docs/semantics.md, "SAGE"): int16 on
-// avx512_vnni and its twin (vpdpwssd: on an Intel Xeon with AVX512-BF16, flux-1024 f32 419
-// GFLOP/s against 367 with f32 P.V and 251 with bf16); otherwise `automatic` itself, the engine's
-// own kernels: bf16 tiles on amx_int8, f32 on avx2_int8, avx_vnni and portable_int8 (int16 there
-// measured within the noise of f32: avx2_int8 187-202 against 176-191 GFLOP/s).
+// What pv_dtype auto is on engine e, chosen by measurement (docs/semantics.md, "SAGE"): int16
+// on avx512_vnni, avx2_int8, avx_vnni and their twins (vpdpwssd / vpmaddwd: on an Intel Xeon
+// with AVX512-BF16, flux-1024 f32 on avx512_vnni 419 GFLOP/s against 367 with f32 P.V and 251
+// with bf16; on avx2_int8 1.04-1.12x f32 P.V on an AMD Zen 4, 1.03-1.06x on the Xeon; avx_vnni
+// 1.05x there); otherwise `automatic` itself, the engine's own kernels: bf16 tiles on amx_int8,
+// f32 on portable_int8.
 PvDtype automatic_pv_dtype(const Engine& e);
 // The kernels of int8 engine `e` with P.V in `pv`; NotAvailable naming pv_dtype where the engine
 // has no bf16 P.V on this CPU.

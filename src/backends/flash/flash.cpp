@@ -1027,7 +1027,8 @@ class SageBackend final : public Backend {
     const Engine& e = select_engine(process_cap(), DType::F32, ComputeDtype::int8);
     const TileKernels& kk = int8_engine_kernels(e, PvDtype::automatic);
     const PvDtype pv = automatic_pv_dtype(e);
-    // automatic_pv_dtype: int16 on avx512_vnni, amx_int8's own bf16 tiles, else f32.
+    // automatic_pv_dtype: int16 on the vpdpwssd / vpmaddwd engines, amx_int8's own bf16 tiles, else
+    // f32.
     const std::string pv_name = pv == PvDtype::int16      ? "16-bit integer codes"
                                 : !kk.loop.tile_by_tile() ? "bf16 tiles"
                                                           : "f32";
