@@ -268,6 +268,45 @@ TEST(Sage, Int8PvAccuracyAgainstReference) {
   }
 }
 
+// pv_dtype auto is, bit for bit, int16 on the engines whose integer dot takes int16 pairs
+// (avx512_vnni, avx_vnni, avx2_int8 and their twins: chosen by measurement, docs/semantics.md)
+// and f32 on portable_int8; amx_int8 keeps its own bf16 tiles (neither).
+TEST(Sage, AutoPvDtypeIsTheMeasuredChoice) {
+  const i64 s = 150, hq = 4, hkv = 2, d = 64;
+  const Tensor q = random_tensor({1, s, hq, d}, DType::F32, 61),
+               k = random_tensor({1, s, hkv, d}, DType::F32, 62),
+               v = random_tensor({1, s, hkv, d}, DType::F32, 63);
+  int checked = 0;
+  for (const flash::Engine* e : int8_engines()) {
+    const std::string name(e->name);
+    SCOPED_TRACE(name);
+    AttentionConfig c = sage_config(hq, hkv, d, name);
+    const auto run = [&](const char* pv) {
+      if (pv != nullptr) c.backend_options["pv_dtype"] = std::string(pv);
+      const std::vector<double> out =
+          testing::to_vector(Attention(c).forward(q.view(), k.view(), v.view()).out.view());
+      c.backend_options.erase("pv_dtype");
+      return out;
+    };
+    const std::vector<double> deflt = run(nullptr), automatic = run("auto");
+    EXPECT_EQ(deflt, automatic);
+    const bool int16 = name.rfind("avx512_vnni", 0) == 0 || name.rfind("avx_vnni", 0) == 0 ||
+                       name.rfind("avx2_int8", 0) == 0;
+    if (int16) {
+      EXPECT_EQ(deflt, run("int16"));
+      EXPECT_NE(deflt, run("f32"));
+    } else if (name == "portable_int8") {
+      EXPECT_EQ(deflt, run("f32"));
+      EXPECT_NE(deflt, run("int16"));
+    } else {  // amx_int8 and its twin: bf16 tiles
+      EXPECT_NE(deflt, run("int16"));
+      EXPECT_NE(deflt, run("f32"));
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 5);  // every twin runs anywhere
+}
+
 // pv_dtype int16 (P and V as 12- and 13-bit codes in int16 pairs, avx512_vnni's auto): on every
 // int8 engine, its error against REFERENCE is the f32 P.V's within 0.05% (mean relative L1 per
 // head) and below the bf16 P.V's where the engine has one, the LSE is f32's; NaN in V stays
