@@ -11,6 +11,7 @@ struct Avx512Bf16Ops {
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, reg r) { _mm512_storeu_ps(p, r); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
   static reg not_finite_to_nan(reg a) { return _mm512_fmadd_ps(a, _mm512_setzero_ps(), a); }
   // amx_int8's logits of 16 keys of one row: out[j] = fma(float(c[j]), qs * ks[j], kb[j] + *rt)
   // (kb[j] alone with rt null), NaN where not finite (int8_impl.hpp's formula); c holds int32

@@ -130,11 +130,7 @@ inline void pv_rows(const std::uint32_t* p, int rows_p, int k2, const std::uint3
   using R = typename D::reg;
   R acc[MR][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    const R a = D::set1(alpha[r]);
-    acc[r][0] = D::mul(D::load(o + r * ldo), a);
-    acc[r][1] = D::mul(D::load(o + r * ldo + D::W), a);
-  }
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = D::zero();
   for (int j2 = 0; j2 < k2; ++j2) {
     const std::uint32_t* vj = v + std::int64_t(j2) * dv;
     const std::uint32_t* pj = p + std::int64_t(j2) * rows_p;
@@ -144,10 +140,12 @@ inline void pv_rows(const std::uint32_t* p, int rows_p, int k2, const std::uint3
       acc[r][1] = D::dot(acc[r][1], vj + D::W, pj[r]);
     }
   }
+  // O * alpha joins at the end (pv_rows of tile_kernels_impl.hpp says why).
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    D::store(o + r * ldo, acc[r][0]);
-    D::store(o + r * ldo + D::W, acc[r][1]);
+    const R a = D::set1(alpha[r]);
+    D::store(o + r * ldo, D::fma(D::load(o + r * ldo), a, acc[r][0]));
+    D::store(o + r * ldo + D::W, D::fma(D::load(o + r * ldo + D::W), a, acc[r][1]));
   }
 }
 

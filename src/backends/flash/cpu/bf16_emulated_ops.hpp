@@ -29,6 +29,11 @@ struct EmulatedBf16Ops {
     for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i];
     return r;
   }
+  static reg fma(const reg& a, const reg& b, const reg& c) {
+    reg r;
+    for (int i = 0; i < W; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+  }
   static reg not_finite_to_nan(const reg& a) {
     reg r;
     for (int i = 0; i < W; ++i) r.v[i] = std::fma(a.v[i], 0.0f, a.v[i]);
