@@ -30,8 +30,11 @@
 //                   (int32, set_key_bias; 0 from pack_k) | [kTileKeys][dg] groups
 //                   (dg = ceil(d / G))
 //   V tile (panel)  the base engine's (f32 rows of stride dv + kStridePad where it has none)
-//   workspace: header | q [dg][rows_p] groups of QT per row | qs [rows_p] | inverse scales
-//              [rows_p] | zeros [rows_p] | the base engine's workspace
+//   workspace: header | q [dg][ldg] groups of QT per row (ldg = int8_group_stride(rows_p)), for
+//              engines with I::kSplitSign the codes' magnitudes there and their signs after
+//              them ([dg][ldg] groups of bytes 0xff where the code is negative, else 0) |
+//              qs [rows_p] | inverse scales [rows_p] | zeros [rows_p] | the base engine's
+//              workspace
 // so Q.K^T broadcasts one key group against 2W query rows, like the bf16 engines' pairs.
 //
 // Row terms. Every logit of a tile of run n >= 1 gets its row's term of that run added in f32
@@ -47,15 +50,34 @@ struct Int8Header {
   const float* zeros;  // rows_p zeros
   void* base_ws;
   int rows_p, dg;
+  int ldg;  // the stride of q's groups (int8_group_stride)
 };
 
 constexpr std::size_t int8_align64(std::size_t n) {
   return (n + 63) / 64 * 64;
 }
 
+// The stride (in groups) of the per-row group arrays (Q's codes, P.V's P codes): rows_p plus a
+// cache line, so that one row block's successive groups do not all fall in the same few L1
+// sets (rows_p = 256 puts them 1 KiB apart, 4 sets of a 32 KiB 8-way L1: avx2_int8 lost 10% to
+// it on AMD Zen 4, 120 -> 134 GFLOP/s on one 256-row item of flux-1024's head size).
+constexpr int int8_group_stride(int rows_p) {
+  return rows_p + 16;
+}
+
 template <class I>
 constexpr int groups_of(int d) {
   return (d + I::G - 1) / I::G;
+}
+
+// Whether the engine keeps Q's codes as magnitudes and sign masks (avx2_int8's sign trick reads
+// both in every step; kept once per item, its loop makes neither).
+template <class I>
+constexpr bool split_sign() {
+  if constexpr (requires { I::kSplitSign; })
+    return I::kSplitSign;
+  else
+    return false;
 }
 
 struct Int8Sizes {
@@ -67,7 +89,8 @@ template <class I, const TileKernels& (*Base)()>
 Int8Sizes int8_sizes(int rows_p, int d, int dv) {
   const TileKernels& b = Base();
   return {int8_align64(sizeof(Int8Header)),
-          int8_align64(std::size_t(groups_of<I>(d)) * std::size_t(rows_p) * 4),
+          int8_align64((split_sign<I>() ? 2 : 1) * std::size_t(groups_of<I>(d)) *
+                       std::size_t(int8_group_stride(rows_p)) * 4),
           int8_align64(std::size_t(rows_p) * sizeof(float)),
           b.formats.workspace_bytes != nullptr ? b.formats.workspace_bytes(rows_p, d, dv) : 0};
 }
@@ -212,6 +235,7 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   h->rt = h->zeros = zeros;
   h->rows_p = rows_p;
   h->dg = groups_of<I>(d);
+  h->ldg = int8_group_stride(rows_p);
   const TileKernels& b = Base();
   if (b.formats.pack_q != nullptr)
     b.formats.pack_q(qt, ldqt, rows_p, d, dv, logit_scale, h->base_ws);
@@ -230,19 +254,27 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
     h->inv[r] = qn.inv;
   }
   int r0 = 0;
-  if constexpr (requires { I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q); }) {
+  if constexpr (requires { I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg); }) {
     // Whole vectors of rows in the engine's code (the same codes), the rest below.
-    r0 = I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q);
+    r0 = I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg);
   }
   for (int g = 0; g < h->dg; ++g) {
-    std::uint32_t* dst = h->q + std::int64_t(g) * rows_p;
+    std::uint32_t* dst = h->q + std::int64_t(g) * h->ldg;
     for (int r = r0; r < rows_p; ++r) {
       int codes[4] = {0, 0, 0, 0};
       for (int t = 0; t < I::G; ++t) {
         const int e = g * I::G + t;
         codes[t] = e < d ? code_of(qt[e * ldqt + r], h->inv[r]) : 0;
       }
-      dst[r] = query_group_bits<I>(codes);
+      if constexpr (split_sign<I>()) {
+        int mags[4] = {0, 0, 0, 0}, signs[4] = {0, 0, 0, 0};
+        for (int t = 0; t < I::G; ++t)
+          mags[t] = std::abs(codes[t]), signs[t] = codes[t] < 0 ? -1 : 0;
+        dst[r] = group_bits<I>(mags);
+        dst[std::int64_t(h->dg) * h->ldg + r] = group_bits<I>(signs);
+      } else {
+        dst[r] = query_group_bits<I>(codes);
+      }
     }
   }
 }
@@ -250,19 +282,28 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
 // ST[j][r0..r0+2W) for MK keys.
 template <class I, int MK>
 inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int32_t* sums,
-                         const float* kb, int dg, const std::uint32_t* q, int rows_p,
-                         const float* qs, const float* rt, float* st, std::int64_t ldst) {
+                         const float* kb, int dg, const std::uint32_t* q, int ldg, const float* qs,
+                         const float* rt, float* st, std::int64_t ldst) {
   using R = typename I::ireg;
   R acc[MK][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MK; ++m) acc[m][0] = acc[m][1] = I::zero();
-  if constexpr (MK == 4 && requires { I::qk_group4(acc, q, k, dg); }) {
+  // Split signs (I::kSplitSign): q holds the magnitudes, qm the sign masks.
+  const std::uint32_t* qm = q + std::int64_t(dg) * ldg;
+  if constexpr (MK == 4 && split_sign<I>() && requires { I::qk_group4(acc, q, qm, k, dg); }) {
     // The engine's own loop body for its full micro-tile.
-    for (int g = 0; g < dg; ++g) I::qk_group4(acc, q + std::int64_t(g) * rows_p, k + g, dg);
+    for (int g = 0; g < dg; ++g)
+      I::qk_group4(acc, q + std::int64_t(g) * ldg, qm + std::int64_t(g) * ldg, k + g, dg);
+  } else if constexpr (MK == 4 && requires { I::qk_group4(acc, q, k, dg); }) {
+    for (int g = 0; g < dg; ++g) I::qk_group4(acc, q + std::int64_t(g) * ldg, k + g, dg);
   } else {
     for (int g = 0; g < dg; ++g) {
-      const R q0 = I::load(q + std::int64_t(g) * rows_p);
-      const R q1 = I::load(q + std::int64_t(g) * rows_p + I::W);
+      R q0 = I::load(q + std::int64_t(g) * ldg);
+      R q1 = I::load(q + std::int64_t(g) * ldg + I::W);
+      if constexpr (split_sign<I>()) {  // the signed codes again
+        q0 = I::signed_codes(q0, I::load(qm + std::int64_t(g) * ldg));
+        q1 = I::signed_codes(q1, I::load(qm + std::int64_t(g) * ldg + I::W));
+      }
 #pragma GCC unroll 8
       for (int m = 0; m < MK; ++m) {
         const std::uint32_t kg = k[m * dg + g];
@@ -282,11 +323,11 @@ inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int
 
 template <class I, int MK>
 inline void int8_qk_tail(int n, const std::uint32_t* k, const float* ks, const std::int32_t* sums,
-                         const float* kb, int dg, const std::uint32_t* q, int rows_p,
-                         const float* qs, const float* rt, float* st, std::int64_t ldst) {
+                         const float* kb, int dg, const std::uint32_t* q, int ldg, const float* qs,
+                         const float* rt, float* st, std::int64_t ldst) {
   if constexpr (MK > 0) {
-    if (n == MK) return int8_qk_keys<I, MK>(k, ks, sums, kb, dg, q, rows_p, qs, rt, st, ldst);
-    int8_qk_tail<I, MK - 1>(n, k, ks, sums, kb, dg, q, rows_p, qs, rt, st, ldst);
+    if (n == MK) return int8_qk_keys<I, MK>(k, ks, sums, kb, dg, q, ldg, qs, rt, st, ldst);
+    int8_qk_tail<I, MK - 1>(n, k, ks, sums, kb, dg, q, ldg, qs, rt, st, ldst);
   }
 }
 
@@ -309,10 +350,10 @@ void int8_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std:
     const float* rt = rt_run != nullptr ? rt_run + r0 : nullptr;
     int j = 0;
     for (; j + kKeys <= keys; j += kKeys)
-      int8_qk_keys<I, kKeys>(k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs, rt,
+      int8_qk_keys<I, kKeys>(k + j * dg, ks + j, sums + j, kb + j, dg, q, h.ldg, qs, rt,
                              st + j * ldst + r0, ldst);
-    int8_qk_tail<I, kKeys - 1>(keys - j, k + j * dg, ks + j, sums + j, kb + j, dg, q, rows_p, qs,
-                               rt, st + j * ldst + r0, ldst);
+    int8_qk_tail<I, kKeys - 1>(keys - j, k + j * dg, ks + j, sums + j, kb + j, dg, q, h.ldg, qs, rt,
+                               st + j * ldst + r0, ldst);
   }
 }
 
@@ -347,8 +388,8 @@ void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) 
 //   V tile   [dv] f32 column scales (max over the tile's keys of |v| / F::kVTop; NaN where one is
 //            not finite, 0 for an all-zero column) | [kTileKeys / F::G][dv] groups of F::G keys'
 //            codes per column (missing keys code 0)
-//   workspace: the f32 base's (none) replaced by [kTileKeys / F::G][rows_p] groups of P codes
-//            per row | [rows_p] P scales
+//   workspace: the f32 base's (none) replaced by [kTileKeys / F::G][ldg] groups of P codes
+//            per row (ldg = int8_group_stride(rows_p)) | [rows_p] P scales
 // P is in [0, 1] after the softmax step; row r's codes are floor(p * top / pmax_r + 1/2) in
 // [0, top] with scale pmax_r / top (top = F::kPTop; a row whose tile is all zero or NaN gets
 // scale 0 or NaN; a NaN row is NaN already through its sum). Each tile adds float(dot) * (ps_r *
@@ -442,7 +483,7 @@ void int8pv_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile
 }
 
 inline std::size_t int8pv_p_bytes(int rows_p, int groups) {
-  return int8_align64(std::size_t(groups) * std::size_t(rows_p) * 4) +
+  return int8_align64(std::size_t(groups) * std::size_t(int8_group_stride(rows_p)) * 4) +
          int8_align64(std::size_t(rows_p) * sizeof(float));
 }
 
@@ -460,9 +501,9 @@ void int8pv_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv
       static_cast<unsigned char*>(ws) + int8_sizes<I, Base>(rows_p, d, dv).total();
 }
 
-// O[r][c..c+2W) for MR rows: p points at the P groups of row r0 (stride rows_p), v at column c.
+// O[r][c..c+2W) for MR rows: p points at the P groups of row r0 (stride ldg), v at column c.
 template <class I, class F, int MR>
-inline void int8pv_rows(const std::uint32_t* p, int rows_p, const float* ps, const std::uint32_t* v,
+inline void int8pv_rows(const std::uint32_t* p, int ldg, const float* ps, const std::uint32_t* v,
                         const float* vs, int dv, float* o, std::int64_t ldo, const float* alpha) {
   using R = typename I::ireg;
   R acc[MR][2];
@@ -471,12 +512,12 @@ inline void int8pv_rows(const std::uint32_t* p, int rows_p, const float* ps, con
   if constexpr (MR == 4 && requires { F::group4(acc, v, p); }) {
     // The engine's own loop body for its full micro-tile.
     for (int g = 0; g < pv_groups<F>(); ++g)
-      F::group4(acc, v + std::int64_t(g) * dv, p + std::int64_t(g) * rows_p);
+      F::group4(acc, v + std::int64_t(g) * dv, p + std::int64_t(g) * ldg);
   } else {
     for (int g = 0; g < pv_groups<F>(); ++g) {
       const R v0 = I::load(v + std::int64_t(g) * dv);
       const R v1 = I::load(v + std::int64_t(g) * dv + I::W);
-      const std::uint32_t* pg = p + std::int64_t(g) * rows_p;
+      const std::uint32_t* pg = p + std::int64_t(g) * ldg;
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         acc[r][0] = F::dot(acc[r][0], v0, pg[r]);
@@ -492,12 +533,12 @@ inline void int8pv_rows(const std::uint32_t* p, int rows_p, const float* ps, con
 }
 
 template <class I, class F, int MR>
-inline void int8pv_tail(int n, const std::uint32_t* p, int rows_p, const float* ps,
+inline void int8pv_tail(int n, const std::uint32_t* p, int ldg, const float* ps,
                         const std::uint32_t* v, const float* vs, int dv, float* o, std::int64_t ldo,
                         const float* alpha) {
   if constexpr (MR > 0) {
-    if (n == MR) return int8pv_rows<I, F, MR>(p, rows_p, ps, v, vs, dv, o, ldo, alpha);
-    int8pv_tail<I, F, MR - 1>(n, p, rows_p, ps, v, vs, dv, o, ldo, alpha);
+    if (n == MR) return int8pv_rows<I, F, MR>(p, ldg, ps, v, vs, dv, o, ldo, alpha);
+    int8pv_tail<I, F, MR - 1>(n, p, ldg, ps, v, vs, dv, o, ldo, alpha);
   }
 }
 
@@ -508,9 +549,11 @@ inline void int8pv_tail(int n, const std::uint32_t* p, int rows_p, const float* 
 // lane.
 template <class I, class F>
 void int8pv_pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                   float* ps) {
-  if constexpr (requires { I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ps, F::kPTop); }) {
-    I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ps, F::kPTop);
+                   int ldg, float* ps) {
+  if constexpr (requires {
+                  I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ldg, ps, F::kPTop);
+                }) {
+    I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ldg, ps, F::kPTop);
   } else {
     constexpr int kShift = 32 / F::G;
     constexpr float top = F::kPTop;
@@ -527,7 +570,7 @@ void int8pv_pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std
           const float x = y > 0.0f ? (y < top ? y : top) : 0.0f;
           codes |= std::uint32_t(x + 0.5f) << (kShift * t);
         }
-        p[std::int64_t(g) * rows_p + r] = codes;
+        p[std::int64_t(g) * ldg + r] = codes;
       }
     }
   }
@@ -538,12 +581,12 @@ void int8pv_pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int6
                float* o, std::int64_t ldo, const float* alpha, int rows, int keys, int dv,
                void* ws) {
   const Int8Header& h = *static_cast<const Int8Header*>(ws);
-  const int rows_p = h.rows_p;
+  const int rows_p = h.rows_p, ldg = int8_group_stride(rows_p);
   auto* p = static_cast<std::uint32_t*>(h.base_ws);
   auto* ps =
       reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(p) +
-                               int8_align64(std::size_t(pv_groups<F>()) * std::size_t(rows_p) * 4));
-  int8pv_pack_p<I, F>(pt, ldpt, keys, rows_p, p, ps);
+                               int8_align64(std::size_t(pv_groups<F>()) * std::size_t(ldg) * 4));
+  int8pv_pack_p<I, F>(pt, ldpt, keys, rows_p, p, ldg, ps);
   const auto* vs = static_cast<const float*>(v_tile);
   const auto* v = reinterpret_cast<const std::uint32_t*>(
       static_cast<const unsigned char*>(v_tile) + int8_align64(std::size_t(dv) * sizeof(float)));
@@ -555,10 +598,10 @@ void int8pv_pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int6
   for (int c = 0; c < dv; c += 2 * I::W) {
     int r = 0;
     for (; r + kRows <= rows; r += kRows)
-      int8pv_rows<I, F, kRows>(p + r, rows_p, ps + r, v + c, vs + c, dv, o + r * ldo + c, ldo,
+      int8pv_rows<I, F, kRows>(p + r, ldg, ps + r, v + c, vs + c, dv, o + r * ldo + c, ldo,
                                alpha + r);
-    int8pv_tail<I, F, kRows - 1>(rows - r, p + r, rows_p, ps + r, v + c, vs + c, dv,
-                                 o + r * ldo + c, ldo, alpha + r);
+    int8pv_tail<I, F, kRows - 1>(rows - r, p + r, ldg, ps + r, v + c, vs + c, dv, o + r * ldo + c,
+                                 ldo, alpha + r);
   }
 }
 

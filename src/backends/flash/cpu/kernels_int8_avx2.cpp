@@ -1,5 +1,6 @@
 // The 256-bit SAGE engines: avx2_int8 (Q.K^T on vpmaddubsw with the sign trick: |q| as unsigned
-// bytes against k carrying q's sign (vpsignb), one vpmaddubsw's pair sums widened by vpmaddwd
+// bytes against k carrying q's sign (vpxor and vpsubb with q's sign masks, both made once per
+// item like the magnitudes), one vpmaddubsw's pair sums widened by vpmaddwd
 // with ones and added in 32 bits, exact, never two vpmaddubsw results summed in 16 bits; P.V
 // codes as int16 pairs on vpmaddwd) and avx_vnni (vpdpbusd on 256-bit registers: four
 // unsigned-by-signed byte products per lane, queries offset by 128); micro-tiles of 4 keys x 16
@@ -41,7 +42,7 @@ struct Avx2Lanes {
   // codes 0..top, G to a group (shifts of 32 / G).
   template <int G>
   static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                     float* ps, float top_code) {
+                     int ldg, float* ps, float top_code) {
     const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(top_code),
                  half = _mm256_set1_ps(0.5f);
     for (int r0 = 0; r0 < rows_p; r0 += W) {
@@ -58,7 +59,7 @@ struct Avx2Lanes {
           codes = _mm256_or_si256(
               codes, _mm256_slli_epi32(_mm256_cvttps_epi32(_mm256_add_ps(x, half)), (32 / G) * t));
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + std::int64_t(g) * rows_p + r0), codes);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + std::int64_t(g) * ldg + r0), codes);
       }
     }
   }
@@ -110,16 +111,21 @@ struct Avx2Lanes {
       : "memory")
 
 // One group of the 4 x 2 Q.K^T micro-tile on the sign trick, as one block of assembly:
-// a[n][i] += |x_i| x (k_n signed by x_i) for the query registers x0, x1 (signed bytes; u0, u1
-// their magnitudes) and the 4 broadcast key groups k_n at b0, b0 + s, b1, b1 + s. vpmaddubsw
-// multiplies u's unsigned bytes by the signed ones and adds each pair in 16 bits: |q| <= 127 and
-// |k| <= 127, so a pair sums to at most 2 x 127 x 127 = 32258 and never saturates; vpmaddwd by
-// ones adds the two pairs of each 32-bit lane exactly.
+// a[n][i] += |q_i| x (k_n signed by q_i) for the query registers' magnitudes u0, u1 and sign
+// masks x0, x1 (0xff bytes where q < 0) and the 4 broadcast key groups k_n at b0, b0 + s, b1,
+// b1 + s. (k ^ m) - m negates k where m is 0xff (k is never -128): two single-cycle ops that any
+// vector pipe runs, where vpsignb shares the two multiply pipes with vpmaddubsw and vpmaddwd on
+// AMD Zen 4 (a step of vpsignb, vpmaddubsw, vpmaddwd and vpaddd: 0.63 a cycle; with vpxor and
+// vpsubb: 0.79). vpmaddubsw multiplies u's unsigned bytes by the signed ones and adds each pair
+// in 16 bits: |q| <= 127 and |k| <= 127, so a pair sums to at most 2 x 127 x 127 = 32258 and
+// never saturates; vpmaddwd by ones adds the two pairs of each 32-bit lane exactly.
 // clang-format off
 #define DATTN_SIGN_STEP(B, A0, A1)              \
   "vpbroadcastd " B ", %[t2]\n\t"               \
-  "vpsignb %[x0], %[t2], %[t0]\n\t"             \
-  "vpsignb %[x1], %[t2], %[t1]\n\t"             \
+  "vpxor %[x0], %[t2], %[t0]\n\t"               \
+  "vpxor %[x1], %[t2], %[t1]\n\t"               \
+  "vpsubb %[x0], %[t0], %[t0]\n\t"              \
+  "vpsubb %[x1], %[t1], %[t1]\n\t"              \
   "vpmaddubsw %[t0], %[u0], %[t0]\n\t"          \
   "vpmaddubsw %[t1], %[u1], %[t1]\n\t"          \
   "vpmaddwd %[ones], %[t0], %[t0]\n\t"          \
@@ -131,14 +137,16 @@ struct Avx2Lanes {
 struct Avx2Int8 : Avx2Lanes {
   static constexpr int G = 4;
   static constexpr bool kOffsetQ = false;
+  // Q's codes as magnitudes and sign masks, made once per item (int8_impl.hpp).
+  static constexpr bool kSplitSign = true;
   // P.V's 8-bit codes go in int16 pairs (vpmaddwd): P's codes reach 255, which vpmaddubsw's
   // 16-bit pair sums would saturate against V's.
   static constexpr int kPvGroup = 2;
-  // int8_qk_keys' loop body for 4 keys: the query groups at q (2 registers of signed bytes), the
-  // keys' groups at k, k + dg, k + 2 dg, k + 3 dg.
-  static void qk_group4(ireg (&a)[4][2], const std::uint32_t* q, const std::uint32_t* k, int dg) {
-    const ireg x0 = load(q), x1 = load(q + W);
-    const ireg u0 = _mm256_abs_epi8(x0), u1 = _mm256_abs_epi8(x1);
+  // int8_qk_keys' loop body for 4 keys: the query groups' magnitudes at q and sign masks at qm
+  // (2 registers each), the keys' groups at k, k + dg, k + 2 dg, k + 3 dg.
+  static void qk_group4(ireg (&a)[4][2], const std::uint32_t* q, const std::uint32_t* qm,
+                        const std::uint32_t* k, int dg) {
+    const ireg u0 = load(q), u1 = load(q + W), s0 = load(qm), s1 = load(qm + W);
     const ireg ones = _mm256_set1_epi16(1);
     const std::uint32_t* b0 = k;
     const std::uint32_t* b1 = k + 2 * std::int64_t(dg);
@@ -151,7 +159,7 @@ struct Avx2Int8 : Avx2Lanes {
             : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a10] "+x"(a[1][0]), [a11] "+x"(a[1][1]),
               [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]), [a30] "+x"(a[3][0]), [a31] "+x"(a[3][1]),
               [t0] "=&x"(t0), [t1] "=&x"(t1), [t2] "=&x"(t2)
-            : [x0] "x"(x0), [x1] "x"(x1), [u0] "x"(u0), [u1] "x"(u1), [ones] "x"(ones),
+            : [x0] "x"(s0), [x1] "x"(s1), [u0] "x"(u0), [u1] "x"(u1), [ones] "x"(ones),
               [b0] "r"(b0), [b1] "r"(b1), [s] "r"(s)
             : "memory");
   }
@@ -168,6 +176,8 @@ struct Avx2Int8 : Avx2Lanes {
   static void pv8_group4(ireg (&a)[4][2], const std::uint32_t* v, const std::uint32_t* p) {
     pv16_group4(a, v, p);
   }
+  // The signed codes of magnitudes u and sign masks m.
+  static ireg signed_codes(ireg u, ireg m) { return _mm256_sub_epi8(_mm256_xor_si256(u, m), m); }
   // acc += q . k over each lane's 4 signed bytes (the sign trick, as qk_group4).
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     const ireg t = _mm256_sign_epi8(_mm256_set1_epi32(std::int32_t(k)), q);

@@ -64,7 +64,7 @@ struct Avx512Vnni {
   // codes 0..top, G to a group (shifts of 32 / G).
   template <int G>
   static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                     float* ps, float top_code) {
+                     int ldg, float* ps, float top_code) {
     const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(top_code),
                  half = _mm512_set1_ps(0.5f);
     for (int r0 = 0; r0 < rows_p; r0 += W) {
@@ -81,7 +81,7 @@ struct Avx512Vnni {
           codes = _mm512_or_si512(
               codes, _mm512_slli_epi32(_mm512_cvttps_epi32(_mm512_add_ps(x, half)), (32 / G) * t));
         }
-        _mm512_storeu_si512(p + std::int64_t(g) * rows_p + r0, codes);
+        _mm512_storeu_si512(p + std::int64_t(g) * ldg + r0, codes);
       }
     }
   }
@@ -125,9 +125,9 @@ struct Avx512Vnni {
   }
   // int8_pack_q's groups for whole vectors of 16 rows: the codes of rows r (inv[r] their
   // multipliers) offset by 128, four elements to a group, zeros (128) past d, into
-  // q[g * rows_p + r]; returns the first row not done.
+  // q[g * ldg + r]; returns the first row not done.
   static int pack_query_rows(const float* qt, std::int64_t ldqt, int rows_p, int d,
-                             const float* inv, std::uint32_t* q) {
+                             const float* inv, std::uint32_t* q, int ldg) {
     const int dg = (d + 3) / 4;
     const __m512i low = _mm512_set1_epi32(0xff), offset = _mm512_set1_epi32(128);
     int r = 0;
@@ -142,7 +142,7 @@ struct Avx512Vnni {
           w = _mm512_or_si512(
               w, _mm512_slli_epi32(_mm512_and_si512(_mm512_add_epi32(c, offset), low), 8 * t));
         }
-        _mm512_storeu_si512(q + std::int64_t(g) * rows_p + r, w);
+        _mm512_storeu_si512(q + std::int64_t(g) * ldg + r, w);
       }
     }
     return r;
