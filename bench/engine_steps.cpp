@@ -9,7 +9,8 @@
 //
 // ENGINE is an engine of `dattn info` (emulated twins included); a SAGE engine takes
 // :auto, :int16, :int8, :bf16 or :f32 for its P.V (default auto). GFLOP/s count 4 rows x keys x d
-// per item (2 for Q.K^T, 2 for P.V); a step's figure is its half at that step's time.
+// per item (2 for Q.K^T, 2 for P.V); a step's figure is its half at that step's time. With an
+// integer P.V (:int8, :int16, and auto where it takes one) the softmax step also makes P's codes.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -160,7 +161,7 @@ int main(int argc, char** argv) try {
           kk.steps.qk(kp, ldkv, b.qt.data(), b.ld, b.st.data(), b.ld, keys, b.rows_p, d, ws);
           const auto s = clock::now();
           kk.steps.softmax_tile(b.st.data(), b.ld, keys, b.rows_p, b.m.data(), b.l.data(),
-                                b.alpha.data());
+                                b.alpha.data(), ws);
           const auto p = clock::now();
           kk.steps.pv(b.st.data(), b.ld, vp, ldkv, b.o.data(), ldkv, b.alpha.data(), rows, keys, d,
                       ws);

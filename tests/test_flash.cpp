@@ -995,6 +995,103 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
     }
 }
 
+// softmax_tile_codes (the integer P.V's softmax step) against softmax_tile of the same f32 engine:
+// the same m, l and alpha bit for bit, and per row a scale pmax / top (pmax the largest
+// probability softmax_tile gives) with codes round(p / scale) in [0, top], G to a 32-bit group,
+// zeros past the tile's keys up to 64; three tiles (the reference moves), tiles of 1-64 keys,
+// with a hidden row (scale 0, codes 0), a row far down the float range and a NaN row.
+TEST(FlashSteps, SoftmaxTileCodesMatchesSoftmaxTile) {
+  constexpr int kRowsP = 48, kLd = kRowsP + 16, kLdg = kRowsP + 16;
+  const auto hidden = [](int r) { return r % 16 == 3; };
+  const auto far_down = [](int r) { return r % 16 == 5; };
+  const auto has_nan = [](int r) { return r == 20; };
+  int ran = 0;
+  for (const char* name : {"portable", "avx2", "avx512"}) {
+    if (engine(name).unavailable()) continue;
+    const flash::TileKernels& kk = engine(name).kernels();
+    ASSERT_NE(kk.steps.softmax_tile_codes, nullptr) << name;
+    ++ran;
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 3.0f);
+    for (const int group : {2, 4})
+      for (const float top : {255.0f, 4095.0f}) {
+        if (group == 4 && top > 255.0f) continue;  // 8 bits per code in a group of 4
+        for (const int keys : {1, 3, 17, 63, 64}) {
+          std::vector<float> m1(kRowsP, -INFINITY), l1(kRowsP, 0.0f), a1(kRowsP), m2 = m1, l2 = l1,
+                                                                                  a2(kRowsP);
+          for (int tile = 0; tile < 3; ++tile) {
+            std::vector<float> st(std::size_t(keys) * kLd);
+            for (int j = 0; j < keys; ++j)
+              for (int r = 0; r < kRowsP; ++r) {
+                float x = nd(rng) * float(tile + 1);
+                if (hidden(r)) x = -INFINITY;
+                if (far_down(r)) x = -1e38f + 1e32f * float(j);
+                if (has_nan(r) && j == keys / 2) x = NAN;
+                st[std::size_t(j) * kLd + r] = x;
+              }
+            std::vector<float> probs = st, ps(kRowsP, -1.0f);
+            std::vector<std::uint32_t> codes(std::size_t(flash::kTileKeys / group) * kLdg,
+                                             0xdeadbeefu);
+            kk.steps.softmax_tile(probs.data(), kLd, keys, kRowsP, m1.data(), l1.data(), a1.data(),
+                                  nullptr);
+            kk.steps.softmax_tile_codes(st.data(), kLd, keys, kRowsP, m2.data(), l2.data(),
+                                        a2.data(), codes.data(), kLdg, ps.data(), group, top);
+            const std::string what = std::string(name) + " group " + std::to_string(group) +
+                                     " top " + std::to_string(int(top)) + " keys " +
+                                     std::to_string(keys) + " tile " + std::to_string(tile);
+            const int bits = 32 / group;
+            const std::uint32_t mask = (1u << bits) - 1u;
+            const auto code = [&](int r, int j) {
+              return int(codes[std::size_t(j / group) * kLdg + r] >> (bits * (j % group)) & mask);
+            };
+            for (int r = 0; r < kRowsP; ++r) {
+              const std::string row = what + " row " + std::to_string(r);
+              if (has_nan(r)) {
+                EXPECT_TRUE(std::isnan(l1[r])) << row;
+                EXPECT_TRUE(std::isnan(l2[r])) << row;
+                continue;
+              }
+              EXPECT_EQ(std::memcmp(&m1[r], &m2[r], sizeof(float)), 0) << row;
+              EXPECT_EQ(std::memcmp(&l1[r], &l2[r], sizeof(float)), 0)
+                  << row << ": " << l1[r] << " vs " << l2[r];
+              EXPECT_EQ(std::memcmp(&a1[r], &a2[r], sizeof(float)), 0) << row;
+              float pmax = 0.0f;
+              for (int j = 0; j < keys; ++j) pmax = std::max(pmax, probs[std::size_t(j) * kLd + r]);
+              if (hidden(r)) {
+                EXPECT_EQ(pmax, 0.0f) << row;
+                EXPECT_EQ(ps[r], 0.0f) << row;
+              } else {
+                EXPECT_GT(pmax, 0.0f) << row;
+                EXPECT_NEAR(ps[r], pmax / top, 1e-6f * pmax / top) << row;
+              }
+              for (int j = 0; j < keys; ++j) {
+                const float p = probs[std::size_t(j) * kLd + r];
+                const int c = code(r, j);
+                ASSERT_LE(c, int(top)) << row << " key " << j;
+                if (ps[r] == 0.0f) {
+                  ASSERT_EQ(c, 0) << row << " key " << j;
+                } else {
+                  ASSERT_NEAR(double(c), double(p) / double(ps[r]), 0.5 + 1e-3)
+                      << row << " key " << j;
+                }
+              }
+              for (int j = keys; j < flash::kTileKeys; ++j)
+                ASSERT_EQ(code(r, j), 0) << row << " key " << j;
+            }
+            // The largest probability of each visible row takes the top code.
+            for (int r = 0; r < kRowsP; ++r) {
+              if (hidden(r) || has_nan(r)) continue;
+              int best = 0;
+              for (int j = 0; j < keys; ++j) best = std::max(best, code(r, j));
+              EXPECT_EQ(best, int(top)) << what << " row " << r;
+            }
+          }
+        }
+      }
+  }
+  EXPECT_GE(ran, 1);
+}
+
 std::vector<std::string> engine_names() {
   std::vector<std::string> names;
   for (const EngineInfo& e : flash_engines()) names.push_back(e.name);

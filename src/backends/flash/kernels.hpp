@@ -150,14 +150,25 @@ struct TileSteps {
   // plus kMaxHeadroom, only when a logit passes it) and sum l[r], turns the column into
   // e^(s - m_new) and sets alpha[r] = e^(m_old - m_new), the factor that rescales the row's
   // earlier output (exactly 1 when m did not move). A NaN or +inf logit makes l[r] NaN for
-  // good.
+  // good. `ws` is the engine's workspace: an engine whose P.V takes P as integer codes writes
+  // them there instead (softmax_tile_codes), the f32 and bf16 engines ignore it.
   void (*softmax_tile)(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
-                       float* alpha) = nullptr;
+                       float* alpha, void* ws) = nullptr;
   // O[r] = O[r] * alpha[r] + sum_j PT[j][r] V[j] for `rows` rows (dv % col_align == 0); `v` is
   // a V tile of the panel (f32 rows of stride ldv for the f32 engines). O has room for
   // round_up(rows, row_align) rows.
   void (*pv)(const float* pt, std::int64_t ldpt, const void* v, std::int64_t ldv, float* o,
              std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* ws) = nullptr;
+  // softmax_tile (the same m, l and alpha, the same bits) with the probabilities written as the
+  // integer P.V's codes instead of into ST, which keeps the logits (cpu/int8_impl.hpp, pv_dtype
+  // int8 and int16): row r's scale ps[r] = pmax / top and codes round(p / ps[r]) in [0, top],
+  // pmax the probability of the tile's largest logit (scale 0 where that is 0 or NaN), `group`
+  // (2 or 4) keys' codes in one 32-bit group at 32 / group bits each, group g of row r at
+  // codes[g * ldg + r], every group of a kTileKeys tile written (keys past `keys` code 0). Each
+  // f32 engine supplies one for the 8-bit engines built on it.
+  void (*softmax_tile_codes)(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                             float* alpha, std::uint32_t* codes, int ldg, float* ps, int group,
+                             float top) = nullptr;
 };
 
 // The online softmax over S rows (the layout of engines that compute S = Q.K^T, query rows as
@@ -223,7 +234,7 @@ inline void attend_tile_by_tile(const TileKernels& kk, const ItemKeys& keys, con
     if (t == nullptr) return;
     kk.steps.qk(t->k, s.ld_k, s.qt, s.ld_rows, s.st, s.ld_rows, t->keys, s.rows_p, s.d, s.ws);
     if (t->hook) keys.logits(keys.ctx, *t, s.st, 1, s.ld_rows);
-    kk.steps.softmax_tile(s.st, s.ld_rows, t->keys, s.rows_p, s.m, s.l, s.alpha);
+    kk.steps.softmax_tile(s.st, s.ld_rows, t->keys, s.rows_p, s.m, s.l, s.alpha, s.ws);
     kk.steps.pv(s.st, s.ld_rows, t->v, s.ld_v, s.o, s.ld_o, s.alpha, s.rows, t->keys, s.dv, s.ws);
   }
 }
@@ -278,6 +289,8 @@ struct Int8Functions {
   OperandFormats formats;
   int align;          // query rows per qk micro-tile
   int col_align = 0;  // output columns per pv micro-tile where it has its own (0: the base's)
+  // The softmax step where P.V needs its own (integer codes), else nullptr: the base's.
+  decltype(TileSteps::softmax_tile) softmax_tile = nullptr;
 };
 // The f32 engines' padding of V rows in scratch and panels (tile_io.hpp's kStridePad), which an
 // 8-bit engine on an f32 base keeps in its V tiles.

@@ -390,13 +390,14 @@ void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) 
 //            codes per column (missing keys code 0)
 //   workspace: the f32 base's (none) replaced by [kTileKeys / F::G][ldg] groups of P codes
 //            per row (ldg = int8_group_stride(rows_p)) | [rows_p] P scales
-// P is in [0, 1] after the softmax step; row r's codes are floor(p * top / pmax_r + 1/2) in
-// [0, top] with scale pmax_r / top (top = F::kPTop; a row whose tile is all zero or NaN gets
-// scale 0 or NaN; a NaN row is NaN already through its sum). Each tile adds float(dot) * (ps_r *
-// vs_c) to O[r][c] * alpha_r in one fused multiply-add (I::accumulate), so every engine rounds
-// alike.
-// The groups of P.V's 8-bit codes: I::kPvGroup where the engine sets one (avx2_int8: int16
-// pairs, as vpmaddubsw would saturate on P codes up to 255), else the Q.K^T dot's I::G.
+// The softmax step writes the codes (int8pv_softmax: the base's softmax_tile_codes): row r's
+// codes are floor(p * top / pmax_r + 1/2) in [0, top] with scale pmax_r / top (top = F::kPTop,
+// pmax_r the probability of the tile's largest logit; a row whose tile is all hidden, or whose
+// pmax is NaN, gets scale 0: a row that saw a NaN or +inf logit is NaN already through its sum).
+// Each tile adds float(dot) * (ps_r * vs_c) to O[r][c] * alpha_r in one fused multiply-add
+// (I::accumulate), so every engine rounds alike. The groups of P.V's 8-bit codes: I::kPvGroup where
+// the engine sets one (avx2_int8: int16 pairs, as vpmaddubsw would saturate on P codes up to 255),
+// else the Q.K^T dot's I::G.
 template <class I>
 constexpr int pv8_group() {
   if constexpr (requires { I::kPvGroup; })
@@ -542,51 +543,38 @@ inline void int8pv_tail(int n, const std::uint32_t* p, int ldg, const float* ps,
   }
 }
 
-// The P codes of one tile: pt is S^T [keys][ldpt] (probabilities, rows in columns; rows_p a
-// multiple of 2W): per row its largest p (a NaN p is ignored) gives the scale pmax / top (0 for
-// a row of zeros) and the codes min(max(p * (top / pmax), 0), top) + 1/2 truncated (NaN: 0).
-// I::pack_p<G> does it in vectors where the engine has it; this is the same f32 steps lane by
-// lane.
-template <class I, class F>
-void int8pv_pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                   int ldg, float* ps) {
-  if constexpr (requires {
-                  I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ldg, ps, F::kPTop);
-                }) {
-    I::template pack_p<F::G>(pt, ldpt, keys, rows_p, p, ldg, ps, F::kPTop);
-  } else {
-    constexpr int kShift = 32 / F::G;
-    constexpr float top = F::kPTop;
-    for (int r = 0; r < rows_p; ++r) {
-      float mx = 0.0f;
-      for (int j = 0; j < keys; ++j) mx = pt[j * ldpt + r] > mx ? pt[j * ldpt + r] : mx;
-      const bool some = mx > 0.0f;
-      const float inv = some ? top / mx : 0.0f;
-      ps[r] = some ? mx / top : 0.0f;
-      for (int g = 0; g < pv_groups<F>(); ++g) {
-        std::uint32_t codes = 0;
-        for (int t = 0; t < F::G && g * F::G + t < keys; ++t) {
-          const float y = pt[(g * F::G + t) * ldpt + r] * inv;
-          const float x = y > 0.0f ? (y < top ? y : top) : 0.0f;
-          codes |= std::uint32_t(x + 0.5f) << (kShift * t);
-        }
-        p[std::int64_t(g) * ldg + r] = codes;
-      }
-    }
-  }
-}
-
-template <class I, class F>
-void int8pv_pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*ldv*/,
-               float* o, std::int64_t ldo, const float* alpha, int rows, int keys, int dv,
-               void* ws) {
+// The P codes of one tile and their scales in the workspace, after the Q and K parts.
+struct Int8PvCodes {
+  std::uint32_t* p;  // [pv_groups][ldg]
+  float* ps;         // [rows_p]
+  int ldg;
+};
+template <class F>
+Int8PvCodes int8pv_codes(void* ws) {
   const Int8Header& h = *static_cast<const Int8Header*>(ws);
-  const int rows_p = h.rows_p, ldg = int8_group_stride(rows_p);
   auto* p = static_cast<std::uint32_t*>(h.base_ws);
+  const int ldg = int8_group_stride(h.rows_p);
   auto* ps =
       reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(p) +
                                int8_align64(std::size_t(pv_groups<F>()) * std::size_t(ldg) * 4));
-  int8pv_pack_p<I, F>(pt, ldpt, keys, rows_p, p, ldg, ps);
+  return {p, ps, ldg};
+}
+
+// The softmax step: the base engine's, writing P's codes (kernels.hpp, softmax_tile_codes) where
+// int8pv_pv reads them.
+template <class F, const TileKernels& (*Base)()>
+void int8pv_softmax(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                    float* alpha, void* ws) {
+  static const auto codes_step = Base().steps.softmax_tile_codes;
+  const Int8PvCodes c = int8pv_codes<F>(ws);
+  codes_step(st, ldst, keys, rows_p, m, l, alpha, c.p, c.ldg, c.ps, F::G, F::kPTop);
+}
+
+template <class I, class F>
+void int8pv_pv(const float* /*pt*/, std::int64_t /*ldpt*/, const void* v_tile, std::int64_t /*ldv*/,
+               float* o, std::int64_t ldo, const float* alpha, int rows, int /*keys*/, int dv,
+               void* ws) {
+  const auto [p, ps, ldg] = int8pv_codes<F>(ws);  // written by int8pv_softmax
   const auto* vs = static_cast<const float*>(v_tile);
   const auto* v = reinterpret_cast<const std::uint32_t*>(
       static_cast<const unsigned char*>(v_tile) + int8_align64(std::size_t(dv) * sizeof(float)));
@@ -627,5 +615,6 @@ constexpr Int8Functions int8pv_functions() {
            &int8pv_v_tile_bytes<F>, &int8_pack_k<I>, &int8pv_pack_v<F>, &int8_set_key_bias,
            &int8_set_row_terms},
           2 * I::W,
-          2 * I::W};
+          2 * I::W,
+          &int8pv_softmax<F, Base>};
 }

@@ -34,6 +34,17 @@ struct Vec {
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
+  static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+  template <int G>
+  static void store_codes(std::uint32_t* p, const reg (&x)[G]) {
+    __m256i codes = _mm256_cvttps_epi32(x[0]);
+#pragma GCC unroll 4
+    for (int t = 1; t < G; ++t)
+      codes = _mm256_or_si256(
+          codes, _mm256_sllv_epi32(_mm256_cvttps_epi32(x[t]), _mm256_set1_epi32(32 / G * t)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), codes);
+  }
   static reg select_zero_if_neg_inf(reg x) {
     const reg is_neg_inf =
         _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);

@@ -38,31 +38,6 @@ struct Avx2Lanes {
   static ireg load(const std::uint32_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
-  // int8_impl.hpp's int8pv_pack_p, 8 rows per vector (max_ps(x, m) keeps m where x is NaN),
-  // codes 0..top, G to a group (shifts of 32 / G).
-  template <int G>
-  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                     int ldg, float* ps, float top_code) {
-    const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(top_code),
-                 half = _mm256_set1_ps(0.5f);
-    for (int r0 = 0; r0 < rows_p; r0 += W) {
-      __m256 mx = zero;
-      for (int j = 0; j < keys; ++j) mx = _mm256_max_ps(_mm256_loadu_ps(pt + j * ldpt + r0), mx);
-      const __m256 some = _mm256_cmp_ps(mx, zero, _CMP_GT_OQ);
-      const __m256 inv = _mm256_and_ps(some, _mm256_div_ps(top, mx));
-      _mm256_storeu_ps(ps + r0, _mm256_and_ps(some, _mm256_div_ps(mx, top)));
-      for (int g = 0; g < kTileKeys / G; ++g) {
-        __m256i codes = _mm256_setzero_si256();
-        for (int t = 0; t < G && g * G + t < keys; ++t) {
-          const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(pt + (g * G + t) * ldpt + r0), inv);
-          const __m256 x = _mm256_min_ps(_mm256_max_ps(y, zero), top);  // NaN y: 0
-          codes = _mm256_or_si256(
-              codes, _mm256_slli_epi32(_mm256_cvttps_epi32(_mm256_add_ps(x, half)), (32 / G) * t));
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + std::int64_t(g) * ldg + r0), codes);
-      }
-    }
-  }
   static void accumulate(float* o, ireg acc, float alpha, float ps, const float* vs) {
     const __m256 t = _mm256_mul_ps(_mm256_set1_ps(ps), _mm256_loadu_ps(vs));
     _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), t,

@@ -60,31 +60,6 @@ struct Avx512Vnni {
     __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(pp), "v"(v));
     return acc;
   }
-  // int8_impl.hpp's int8pv_pack_p, 16 rows per vector (max_ps(x, m) keeps m where x is NaN),
-  // codes 0..top, G to a group (shifts of 32 / G).
-  template <int G>
-  static void pack_p(const float* pt, std::int64_t ldpt, int keys, int rows_p, std::uint32_t* p,
-                     int ldg, float* ps, float top_code) {
-    const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(top_code),
-                 half = _mm512_set1_ps(0.5f);
-    for (int r0 = 0; r0 < rows_p; r0 += W) {
-      __m512 mx = zero;
-      for (int j = 0; j < keys; ++j) mx = _mm512_max_ps(_mm512_loadu_ps(pt + j * ldpt + r0), mx);
-      const __mmask16 some = _mm512_cmp_ps_mask(mx, zero, _CMP_GT_OQ);
-      const __m512 inv = _mm512_maskz_div_ps(some, top, mx);
-      _mm512_storeu_ps(ps + r0, _mm512_maskz_div_ps(some, mx, top));
-      for (int g = 0; g < kTileKeys / G; ++g) {
-        __m512i codes = _mm512_setzero_si512();
-        for (int t = 0; t < G && g * G + t < keys; ++t) {
-          const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(pt + (g * G + t) * ldpt + r0), inv);
-          const __m512 x = _mm512_min_ps(_mm512_max_ps(y, zero), top);  // NaN y: 0
-          codes = _mm512_or_si512(
-              codes, _mm512_slli_epi32(_mm512_cvttps_epi32(_mm512_add_ps(x, half)), (32 / G) * t));
-        }
-        _mm512_storeu_si512(p + std::int64_t(g) * ldg + r0, codes);
-      }
-    }
-  }
   // int8_impl.hpp's code_of(x * inv) in vectors: round half to even (the default MXCSR mode, as
   // std::nearbyint), clamped to [-127, 127], 0 where x * inv is NaN.
   static __m512i codes16(__m512 x, __m512 inv) {

@@ -35,8 +35,9 @@ TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
   if (f.col_align > 0) k.col_align = std::lcm(base.col_align, f.col_align);
   k.steps.qk = f.qk;
   k.steps.pv = f.pv;
+  if (f.softmax_tile != nullptr) k.steps.softmax_tile = f.softmax_tile;
   k.formats = f.formats;
-  k.loop.attend = nullptr;  // tile by tile: qk here, the base's softmax_tile and pv
+  k.loop.attend = nullptr;  // tile by tile: qk here, the softmax (the base's) and pv
   k.loop.panel_tiles = 1;
   k.loop.thread_begin = k.loop.thread_end = nullptr;
   return k;

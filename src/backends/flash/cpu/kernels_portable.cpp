@@ -23,6 +23,14 @@ struct Vec {
   static reg add(reg a, reg b) { return a + b; }
   static reg sub(reg a, reg b) { return a - b; }
   static reg max(reg a, reg b) { return std::max(a, b); }
+  static reg min(reg a, reg b) { return a < b ? a : b; }
+  static reg div(reg a, reg b) { return a / b; }
+  template <int G>
+  static void store_codes(std::uint32_t* p, const reg (&x)[G]) {
+    std::uint32_t codes = 0;
+    for (int t = 0; t < G; ++t) codes |= std::uint32_t(x[t]) << (32 / G * t);
+    *p = codes;
+  }
   static reg select_zero_if_neg_inf(reg x) {
     return x == -std::numeric_limits<float>::infinity() ? 0.0f : x;
   }

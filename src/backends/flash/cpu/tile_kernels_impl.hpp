@@ -4,7 +4,9 @@
 //
 // V provides: reg, W (lanes), zero(), set1(f), load(p), store(p, r), fma(a, b, c) = a*b + c,
 // mul, add, sub, max, select_zero_if_neg_inf(x) (0 where x == -inf, else x), select_gt(a, b,
-// x, y) (a > b ? x : y, false for NaN),
+// x, y) (a > b ? x : y, false for NaN), min(a, b) (a < b ? a : b: b where either is NaN), div,
+// store_codes<G>(p, x) (the G vectors x truncated to int32 lanes, lane i's G values packed into
+// p[i] at 32 / G bits each, x[t] at bit 32 / G x t; every x is in [0, 2^(32 / G))),
 // exp2_nonpositive(r) (2^x for x <= 0; x < -126 and -inf give 0, NaN stays NaN), load_bf16(p) /
 // load_f16(p) converting W 16-bit values, and store_bf16(p, r) / store_f16(p, r) rounding to
 // nearest even (NaN stays NaN).
@@ -89,46 +91,67 @@ void qk(const void* k_tile, std::int64_t ldk, const float* qt, std::int64_t ldqt
   for (; r0 < rows_p; r0 += 2 * V::W) qk_rows<V, 2>(k, ldk, qt + r0, ldqt, st + r0, ldst, keys, d);
 }
 
+// e^(x - m_use) for x <= m_use: 2^(x log2 e) with the difference taken first, so that finite
+// logits as large as a mask's -3.4e38 never overflow on the way.
 template <class V>
-void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
-                  float* alpha) {
+inline typename V::reg softmax_exp(typename V::reg x, typename V::reg m_use) {
+  return V::exp2_nonpositive(V::mul(V::sub(x, m_use), V::set1(std::numbers::log2e_v<float>)));
+}
+
+// softmax_tile's reference for the W rows at r (their logits in ST's columns r..r+W): sets
+// m[r..] and alpha[r..], returns the reference the probabilities use and the tile's largest
+// logit in tile_max.
+template <class V>
+inline typename V::reg softmax_reference(const float* st, std::int64_t ldst, int keys, int r,
+                                         float* m, float* alpha, typename V::reg& tile_max) {
   using R = typename V::reg;
   const R neg_inf = V::set1(-std::numeric_limits<float>::infinity());
-  // Logits are in natural units; e^x = 2^(x log2 e) with the difference taken first, so that
-  // finite logits as large as a mask's -3.4e38 never overflow on the way.
-  const R log2e = V::set1(std::numbers::log2e_v<float>);
-  const R headroom = V::set1(kMaxHeadroom);
+  R mx0 = neg_inf, mx1 = neg_inf;
+  int j = 0;
+  for (; j + 2 <= keys; j += 2) {
+    mx0 = V::max(mx0, V::load(st + j * ldst + r));
+    mx1 = V::max(mx1, V::load(st + (j + 1) * ldst + r));
+  }
+  if (j < keys) mx0 = V::max(mx0, V::load(st + j * ldst + r));
+  const R m_old = V::load(m + r);
+  // A lazy running max: m rises only when a logit passes it, and then kMaxHeadroom above the
+  // tile's max, so that later tiles seldom raise it again and alpha is exactly 1 for most
+  // tiles (the AMX engine then skips rescaling O). Every probability stays <= 1 (>= e^-8 for
+  // the row's largest logit); LSE = m + log(l) whatever m is. A NaN max leaves m alone (its
+  // NaN probability poisons l anyway); +inf raises m to +inf, and inf - inf poisons l.
+  tile_max = V::max(mx0, mx1);
+  const R m_new = V::select_gt(tile_max, m_old, V::add(tile_max, V::set1(kMaxHeadroom)), m_old);
+  // A row that has seen nothing keeps m = -inf; subtracting 0 instead keeps its
+  // probabilities at e^-inf = 0 rather than NaN. A NaN logit gives a NaN probability
+  // (exp2_nonpositive keeps NaN), and a +inf one gives inf - inf = NaN: either way the row's
+  // sum l turns NaN and stays NaN, which the row writer reports as a NaN row.
+  const R m_use = V::select_zero_if_neg_inf(m_new);
+  V::store(alpha + r, softmax_exp<V>(m_old, m_use));
+  V::store(m + r, m_new);
+  return m_use;
+}
+
+// e^(s - m_use) for the logits at s (natural units).
+template <class V>
+inline typename V::reg softmax_probability(const float* s, typename V::reg m_use) {
+  return softmax_exp<V>(V::load(s), m_use);
+}
+
+template <class V>
+void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                  float* alpha, void* /*ws*/) {
+  using R = typename V::reg;
   for (int r = 0; r < rows_p; r += V::W) {
-    R mx0 = neg_inf, mx1 = neg_inf;
-    int j = 0;
-    for (; j + 2 <= keys; j += 2) {
-      mx0 = V::max(mx0, V::load(st + j * ldst + r));
-      mx1 = V::max(mx1, V::load(st + (j + 1) * ldst + r));
-    }
-    if (j < keys) mx0 = V::max(mx0, V::load(st + j * ldst + r));
-    const R m_old = V::load(m + r);
-    // A lazy running max: m rises only when a logit passes it, and then kMaxHeadroom above the
-    // tile's max, so that later tiles seldom raise it again and alpha is exactly 1 for most
-    // tiles (the AMX engine then skips rescaling O). Every probability stays <= 1 (>= e^-8 for
-    // the row's largest logit); LSE = m + log(l) whatever m is. A NaN max leaves m alone (its
-    // NaN probability poisons l anyway); +inf raises m to +inf, and inf - inf poisons l.
-    const R tile_max = V::max(mx0, mx1);
-    const R m_new = V::select_gt(tile_max, m_old, V::add(tile_max, headroom), m_old);
-    // A row that has seen nothing keeps m = -inf; subtracting 0 instead keeps its
-    // probabilities at e^-inf = 0 rather than NaN. A NaN logit gives a NaN probability
-    // (exp2_nonpositive keeps NaN), and a +inf one gives inf - inf = NaN: either way the row's
-    // sum l turns NaN and stays NaN, which the row writer reports as a NaN row.
-    const R m_use = V::select_zero_if_neg_inf(m_new);
-    V::store(alpha + r, V::exp2_nonpositive(V::mul(V::sub(m_old, m_use), log2e)));
-    V::store(m + r, m_new);
+    R tile_max;
+    const R m_use = softmax_reference<V>(st, ldst, keys, r, m, alpha, tile_max);
     R sum0 = V::zero(), sum1 = V::zero();
-    j = 0;
+    int j = 0;
     // Two independent evaluations per step hide part of the polynomial's latency.
     for (; j + 2 <= keys; j += 2) {
       float* s0 = st + j * ldst + r;
       float* s1 = s0 + ldst;
-      const R p0 = V::exp2_nonpositive(V::mul(V::sub(V::load(s0), m_use), log2e));
-      const R p1 = V::exp2_nonpositive(V::mul(V::sub(V::load(s1), m_use), log2e));
+      const R p0 = softmax_probability<V>(s0, m_use);
+      const R p1 = softmax_probability<V>(s1, m_use);
       V::store(s0, p0);
       V::store(s1, p1);
       sum0 = V::add(sum0, p0);
@@ -136,12 +159,86 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
     }
     if (j < keys) {
       float* s0 = st + j * ldst + r;
-      const R p0 = V::exp2_nonpositive(V::mul(V::sub(V::load(s0), m_use), log2e));
+      const R p0 = softmax_probability<V>(s0, m_use);
       V::store(s0, p0);
       sum0 = V::add(sum0, p0);
     }
     V::store(l + r, V::fma(V::load(l + r), V::load(alpha + r), V::add(sum0, sum1)));
   }
+}
+
+// softmax_tile for the integer P.V (int8_impl.hpp): the probabilities go straight to codes instead
+// of back into ST. Row r's codes are trunc(min(p * top / pmax_r + 1/2, top + 1/2)) in [0, top],
+// its scale ps[r] = pmax_r / top, where pmax_r = e^(tile max - m_use) is the probability of the
+// tile's largest logit (computed as every p: no pass over the probabilities for their max); a row
+// whose tile is all hidden (pmax 0) or holds a +inf logit (pmax NaN) gets scale 0 and codes 0
+// (a NaN probability's code is top: its row's sum l is NaN already). G keys' codes to a 32-bit
+// group (32 / G bits each, key t of a group at bit 32 / G x t), group g of row r at codes[g * ldg +
+// r]; every group of the 64-key tile is written, keys past `keys` as code 0. l sums the f32
+// probabilities as softmax_tile does (the same order, so the same bits).
+template <class V, int G>
+void softmax_tile_codes(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                        float* alpha, std::uint32_t* codes, int ldg, float* ps, float top_code) {
+  using R = typename V::reg;
+  const R zero = V::zero(), half = V::set1(0.5f), top = V::set1(top_code),
+          top_half = V::set1(top_code + 0.5f);
+  for (int r = 0; r < rows_p; r += V::W) {
+    R tile_max;
+    const R m_use = softmax_reference<V>(st, ldst, keys, r, m, alpha, tile_max);
+    const R pmax = softmax_exp<V>(tile_max, m_use);
+    // pmax / top and top / pmax where pmax > 0, else 0 (pmax 0 or NaN: select_gt is false).
+    const R inv = V::select_gt(pmax, zero, V::div(top, pmax), zero);
+    V::store(ps + r, V::select_gt(pmax, zero, V::div(pmax, top), zero));
+    R sum0 = V::zero(), sum1 = V::zero();
+    int g = 0;
+    for (; (g + 1) * G <= keys; ++g) {
+      R x[G];
+#pragma GCC unroll 4
+      for (int t = 0; t < G; ++t) {
+        const R p = softmax_probability<V>(st + (g * G + t) * ldst + r, m_use);
+        if (t % 2 == 0)
+          sum0 = V::add(sum0, p);
+        else
+          sum1 = V::add(sum1, p);
+        x[t] = V::min(V::fma(p, inv, half), top_half);  // NaN p: top + 1/2
+      }
+      V::template store_codes<G>(codes + std::int64_t(g) * ldg + r, x);
+    }
+    if (g * G < keys) {
+      R x[G];
+#pragma GCC unroll 4
+      for (int t = 0; t < G; ++t) {
+        x[t] = zero;
+        if (g * G + t >= keys) continue;
+        const R p = softmax_probability<V>(st + (g * G + t) * ldst + r, m_use);
+        if (t % 2 == 0)
+          sum0 = V::add(sum0, p);
+        else
+          sum1 = V::add(sum1, p);
+        x[t] = V::min(V::fma(p, inv, half), top_half);
+      }
+      V::template store_codes<G>(codes + std::int64_t(g) * ldg + r, x);
+      ++g;
+    }
+    for (; g < kTileKeys / G; ++g) {
+      R x[G];
+#pragma GCC unroll 4
+      for (int t = 0; t < G; ++t) x[t] = zero;
+      V::template store_codes<G>(codes + std::int64_t(g) * ldg + r, x);
+    }
+    V::store(l + r, V::fma(V::load(l + r), V::load(alpha + r), V::add(sum0, sum1)));
+  }
+}
+
+// softmax_tile_codes for G given at run time (TileSteps::softmax_tile_codes).
+template <class V>
+void softmax_tile_codes_any(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                            float* alpha, std::uint32_t* codes, int ldg, float* ps, int group,
+                            float top) {
+  if (group == 4)
+    softmax_tile_codes<V, 4>(st, ldst, keys, rows_p, m, l, alpha, codes, ldg, ps, top);
+  else
+    softmax_tile_codes<V, 2>(st, ldst, keys, rows_p, m, l, alpha, codes, ldg, ps, top);
 }
 
 // O[r][c..c+NV W) for MR rows: one column chunk of P.V. The accumulators start at zero and O *
@@ -475,7 +572,7 @@ void softmax_rows_pairs(float* s, std::int64_t lds, int rows, int keys, float sc
 template <class V>
 constexpr TileKernels make_tile_kernels(std::string_view engine) {
   TileKernels k{engine, 2 * V::W, 2 * V::W, {&load_row<V>, &store_row<V>}};
-  k.steps = {&qk<V>, &softmax_tile<V>, &pv<V>};
+  k.steps = {&qk<V>, &softmax_tile<V>, &pv<V>, &softmax_tile_codes_any<V>};
   k.row_softmax = {&softmax_rows<V>, &softmax_rows_pairs<V>};
   return k;
 }
