@@ -565,9 +565,10 @@ Int8PvCodes int8pv_codes(void* ws) {
 template <class F, const TileKernels& (*Base)()>
 void int8pv_softmax(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
                     float* alpha, void* ws) {
-  static const auto codes_step = Base().steps.softmax_tile_codes;
+  static_assert(F::G == 2 || F::G == 4, "softmax_tile_codes packs 2 or 4 codes to a group");
   const Int8PvCodes c = int8pv_codes<F>(ws);
-  codes_step(st, ldst, keys, rows_p, m, l, alpha, c.p, c.ldg, c.ps, F::G, F::kPTop);
+  Base().steps.softmax_tile_codes(st, ldst, keys, rows_p, m, l, alpha, c.p, c.ldg, c.ps, F::G,
+                                  F::kPTop);
 }
 
 template <class I, class F>

@@ -190,40 +190,24 @@ void softmax_tile_codes(float* st, std::int64_t ldst, int keys, int rows_p, floa
     const R inv = V::select_gt(pmax, zero, V::div(top, pmax), zero);
     V::store(ps + r, V::select_gt(pmax, zero, V::div(pmax, top), zero));
     R sum0 = V::zero(), sum1 = V::zero();
-    int g = 0;
-    for (; (g + 1) * G <= keys; ++g) {
+    // Key j's code (+ 1/2, truncated by store_codes); its probability joins the sum of its parity.
+    const auto code_of = [&](int j) {
+      const R p = softmax_probability<V>(st + j * ldst + r, m_use);
+      if (j % 2 == 0)
+        sum0 = V::add(sum0, p);
+      else
+        sum1 = V::add(sum1, p);
+      return V::min(V::fma(p, inv, half), top_half);  // NaN p: top + 1/2
+    };
+    for (int g = 0; g < kTileKeys / G; ++g) {
       R x[G];
+      const int n = keys - g * G;  // keys of this group (>= G: all of them)
+      if (n >= G) {
 #pragma GCC unroll 4
-      for (int t = 0; t < G; ++t) {
-        const R p = softmax_probability<V>(st + (g * G + t) * ldst + r, m_use);
-        if (t % 2 == 0)
-          sum0 = V::add(sum0, p);
-        else
-          sum1 = V::add(sum1, p);
-        x[t] = V::min(V::fma(p, inv, half), top_half);  // NaN p: top + 1/2
+        for (int t = 0; t < G; ++t) x[t] = code_of(g * G + t);
+      } else {
+        for (int t = 0; t < G; ++t) x[t] = t < n ? code_of(g * G + t) : zero;
       }
-      V::template store_codes<G>(codes + std::int64_t(g) * ldg + r, x);
-    }
-    if (g * G < keys) {
-      R x[G];
-#pragma GCC unroll 4
-      for (int t = 0; t < G; ++t) {
-        x[t] = zero;
-        if (g * G + t >= keys) continue;
-        const R p = softmax_probability<V>(st + (g * G + t) * ldst + r, m_use);
-        if (t % 2 == 0)
-          sum0 = V::add(sum0, p);
-        else
-          sum1 = V::add(sum1, p);
-        x[t] = V::min(V::fma(p, inv, half), top_half);
-      }
-      V::template store_codes<G>(codes + std::int64_t(g) * ldg + r, x);
-      ++g;
-    }
-    for (; g < kTileKeys / G; ++g) {
-      R x[G];
-#pragma GCC unroll 4
-      for (int t = 0; t < G; ++t) x[t] = zero;
       V::template store_codes<G>(codes + std::int64_t(g) * ldg + r, x);
     }
     V::store(l + r, V::fma(V::load(l + r), V::load(alpha + r), V::add(sum0, sum1)));
