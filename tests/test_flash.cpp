@@ -999,7 +999,9 @@ TEST_P(FlashEngine, SoftmaxRowsPairsMatchesSoftmaxRows) {
 // the same m, l and alpha bit for bit, and per row a scale pmax / top (pmax the largest
 // probability softmax_tile gives) with codes round(p / scale) in [0, top], G to a 32-bit group,
 // zeros past the tile's keys up to 64; three tiles (the reference moves), tiles of 1-64 keys,
-// with a hidden row (scale 0, codes 0), a row far down the float range and a NaN row.
+// with a hidden row (scale 0, codes 0), a row far down the float range and a NaN row. Each
+// block of 8 rows has its own offset, and m must be each row's own lazy maximum: the softmax
+// takes a block's maximum while it works on the block before.
 TEST(FlashSteps, SoftmaxTileCodesMatchesSoftmaxTile) {
   constexpr int kRowsP = 48, kLd = kRowsP + 16, kLdg = kRowsP + 16;
   const auto hidden = [](int r) { return r % 16 == 3; };
@@ -1023,13 +1025,14 @@ TEST(FlashSteps, SoftmaxTileCodesMatchesSoftmaxTile) {
             std::vector<float> st(std::size_t(keys) * kLd);
             for (int j = 0; j < keys; ++j)
               for (int r = 0; r < kRowsP; ++r) {
-                float x = nd(rng) * float(tile + 1);
+                float x = nd(rng) * float(tile + 1) + 40.0f * float((r / 8) % 3);
                 if (hidden(r)) x = -INFINITY;
                 if (far_down(r)) x = -1e38f + 1e32f * float(j);
                 if (has_nan(r) && j == keys / 2) x = NAN;
                 st[std::size_t(j) * kLd + r] = x;
               }
             std::vector<float> probs = st, ps(kRowsP, -1.0f);
+            const std::vector<float> m_before = m1;
             std::vector<std::uint32_t> codes(std::size_t(flash::kTileKeys / group) * kLdg,
                                              0xdeadbeefu);
             kk.steps.softmax_tile(probs.data(), kLd, keys, kRowsP, m1.data(), l1.data(), a1.data(),
@@ -1052,6 +1055,12 @@ TEST(FlashSteps, SoftmaxTileCodesMatchesSoftmaxTile) {
                 continue;
               }
               EXPECT_EQ(std::memcmp(&m1[r], &m2[r], sizeof(float)), 0) << row;
+              float tile_max = -INFINITY;
+              for (int j = 0; j < keys; ++j)
+                tile_max = std::max(tile_max, st[std::size_t(j) * kLd + r]);
+              const float m_want =
+                  tile_max > m_before[r] ? tile_max + flash::kMaxHeadroom : m_before[r];
+              EXPECT_EQ(m1[r], m_want) << row;
               EXPECT_EQ(std::memcmp(&l1[r], &l2[r], sizeof(float)), 0)
                   << row << ": " << l1[r] << " vs " << l2[r];
               EXPECT_EQ(std::memcmp(&a1[r], &a2[r], sizeof(float)), 0) << row;

@@ -19,30 +19,30 @@ struct Vec {
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }
   static reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
+  // x[t]: 2^23 + key t's code, an integer below 2^(32 / G) (softmax_tile_codes rounds to it in
+  // the FMA that adds 2^23), so the code is x[t]'s low mantissa bits; shifted left by 8 or more,
+  // the bits of 2^23 (0x4b000000) leave the word.
   template <int G>
   static void store_codes(std::uint32_t* p, const reg (&x)[G]) {
-    __m512i codes = _mm512_cvttps_epi32(x[0]);
-#pragma GCC unroll 4
-    for (int t = 1; t < G; ++t)
-      codes = _mm512_or_si512(
-          codes, _mm512_sllv_epi32(_mm512_cvttps_epi32(x[t]), _mm512_set1_epi32(32 / G * t)));
+    static_assert(G == 2 || G == 4);
+    const auto bits = [&](int t) { return _mm512_castps_si512(x[t]); };
+    __m512i codes = _mm512_and_si512(bits(0), _mm512_set1_epi32((1 << (32 / G)) - 1));
+    if constexpr (G == 2) {
+      codes = _mm512_or_si512(codes, _mm512_slli_epi32(bits(1), 16));
+    } else {
+      codes = _mm512_ternarylogic_epi32(codes, _mm512_slli_epi32(bits(1), 8),
+                                        _mm512_slli_epi32(bits(2), 16), 0xfe);  // a | b | c
+      codes = _mm512_or_si512(codes, _mm512_slli_epi32(bits(3), 24));
+    }
     _mm512_storeu_si512(p, codes);
   }
-  static float hmax(reg a) {
-    return _mm512_reduce_max_ps(a);
-  }
-  static float hsum(reg a) {
-    return _mm512_reduce_add_ps(a);
-  }
+  static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
+  static float hsum(reg a) { return _mm512_reduce_add_ps(a); }
   // Lane i: the largest lane (hmax_rows) or the sum of the lanes (hsum_rows) of x[i], sixteen
   // horizontal reductions in one tree of 45 shuffles and operations (softmax_rows_to's groups
   // of rows) instead of 16 x 8.
-  static reg hmax_rows(const reg (&x)[W]) {
-    return reduce_rows<true>(x);
-  }
-  static reg hsum_rows(const reg (&x)[W]) {
-    return reduce_rows<false>(x);
-  }
+  static reg hmax_rows(const reg (&x)[W]) { return reduce_rows<true>(x); }
+  static reg hsum_rows(const reg (&x)[W]) { return reduce_rows<false>(x); }
   template <bool Max>
   static reg combine(reg a, reg b) {
     return Max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
@@ -78,9 +78,7 @@ struct Vec {
   // 2^x = 2^f 2^n with n = round(x), f = x - n in [-1/2, 1/2] (kExp2Poly), vscalefps applying
   // 2^n. Lanes below -126 (-inf included) are zeroed by the mask, so no clamp is needed; NaN
   // stays NaN (not-less-than is true for NaN, and every step keeps it).
-  static reg exp2_nonpositive(reg x) {
-    return exp2_poly(x, kExp2Poly);
-  }
+  static reg exp2_nonpositive(reg x) { return exp2_poly(x, kExp2Poly); }
   // The same with 2^f = 1 + f (c[0] + f (c[1] + ...)) for any coefficients c fitted on
   // [-1/2, 1/2]; with Floor, for coefficients fitted on [0, 1): f = x - floor(x) from one
   // vreduceps (AVX512-DQ; rounding and a subtraction take three micro-ops) and vscalefps

@@ -391,13 +391,13 @@ void int8_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile) 
 //   workspace: the f32 base's (none) replaced by [kTileKeys / F::G][ldg] groups of P codes
 //            per row (ldg = int8_group_stride(rows_p)) | [rows_p] P scales
 // The softmax step writes the codes (int8pv_softmax: the base's softmax_tile_codes): row r's
-// codes are floor(p * top / pmax_r + 1/2) in [0, top] with scale pmax_r / top (top = F::kPTop,
-// pmax_r the probability of the tile's largest logit; a row whose tile is all hidden, or whose
-// pmax is NaN, gets scale 0: a row that saw a NaN or +inf logit is NaN already through its sum).
-// Each tile adds float(dot) * (ps_r * vs_c) to O[r][c] * alpha_r in one fused multiply-add
-// (I::accumulate), so every engine rounds alike. The groups of P.V's 8-bit codes: I::kPvGroup where
-// the engine sets one (avx2_int8: int16 pairs, as vpmaddubsw would saturate on P codes up to 255),
-// else the Q.K^T dot's I::G.
+// codes are p * top / pmax_r rounded to the nearest integer (ties to even) in [0, top], scale
+// pmax_r / top (top = F::kPTop, pmax_r the probability of the tile's largest logit; a row whose
+// tile is all hidden, or whose pmax is NaN, gets scale 0: a row that saw a NaN or +inf logit is NaN
+// already through its sum). Each tile adds float(dot) * (ps_r * vs_c) to O[r][c] * alpha_r in one
+// fused multiply-add (I::accumulate), so every engine rounds alike. The groups of P.V's 8-bit
+// codes: I::kPvGroup where the engine sets one (avx2_int8: int16 pairs, as vpmaddubsw would
+// saturate on P codes up to 255), else the Q.K^T dot's I::G.
 template <class I>
 constexpr int pv8_group() {
   if constexpr (requires { I::kPvGroup; })

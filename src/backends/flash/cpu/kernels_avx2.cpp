@@ -36,13 +36,19 @@ struct Vec {
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }
   static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+  // x[t]: 2^23 + key t's code, as in avx512_vec.hpp.
   template <int G>
   static void store_codes(std::uint32_t* p, const reg (&x)[G]) {
-    __m256i codes = _mm256_cvttps_epi32(x[0]);
-#pragma GCC unroll 4
-    for (int t = 1; t < G; ++t)
+    static_assert(G == 2 || G == 4);
+    const auto bits = [&](int t) { return _mm256_castps_si256(x[t]); };
+    __m256i codes = _mm256_and_si256(bits(0), _mm256_set1_epi32((1 << (32 / G)) - 1));
+    if constexpr (G == 2) {
+      codes = _mm256_or_si256(codes, _mm256_slli_epi32(bits(1), 16));
+    } else {
+      codes = _mm256_or_si256(codes, _mm256_slli_epi32(bits(1), 8));
       codes = _mm256_or_si256(
-          codes, _mm256_sllv_epi32(_mm256_cvttps_epi32(x[t]), _mm256_set1_epi32(32 / G * t)));
+          codes, _mm256_or_si256(_mm256_slli_epi32(bits(2), 16), _mm256_slli_epi32(bits(3), 24)));
+    }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), codes);
   }
   static reg select_zero_if_neg_inf(reg x) {

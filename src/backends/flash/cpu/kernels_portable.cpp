@@ -1,6 +1,7 @@
 // FLASH tile kernels in portable C++ (one lane; the compiler may vectorise): the path for
 // machines without AVX2, and the baseline the ISA kernels are tested against.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -25,10 +26,12 @@ struct Vec {
   static reg max(reg a, reg b) { return std::max(a, b); }
   static reg min(reg a, reg b) { return a < b ? a : b; }
   static reg div(reg a, reg b) { return a / b; }
+  // x[t]: 2^23 + key t's code, as in avx512_vec.hpp.
   template <int G>
   static void store_codes(std::uint32_t* p, const reg (&x)[G]) {
     std::uint32_t codes = 0;
-    for (int t = 0; t < G; ++t) codes |= std::uint32_t(x[t]) << (32 / G * t);
+    for (int t = 0; t < G; ++t)
+      codes |= (std::bit_cast<std::uint32_t>(x[t]) & ((1u << (32 / G)) - 1)) << (32 / G * t);
     *p = codes;
   }
   static reg select_zero_if_neg_inf(reg x) {
