@@ -441,12 +441,17 @@ inline RowReference row_reference(float tile_max, float m_old) {
 // as bf16 to out16 (consecutive bf16 are the pairs over keys); returns their sum in lanes.
 // p = 2^(x * scale log2 e - m log2 e): with Fold one FMA x c + b (c = scale log2 e, b = -m
 // log2 e), else the difference first (x scale - m) log2 e; Raw: a dot product that is not
-// finite becomes NaN. Everything the loop reads is a parameter: the bf16 stores may alias
-// anything, so captured variables would be reloaded each step.
+// finite becomes NaN. Meanwhile the largest entry of the row at `next` (kp entries, padding
+// filled) goes to next_max, taken as softmax_rows_to's row_max takes it (the same bits): the next
+// row group's maxima come in while this group works instead of in a pass its references wait on.
+// Everything the loop reads is a parameter: the bf16 stores may alias anything, so captured
+// variables would be reloaded each step.
 template <class V, bool Pairs, bool Raw, bool Fold>
 typename V::reg row_probabilities(float* row, std::uint16_t* out16, int kp, typename V::reg vc,
-                                  typename V::reg vb, typename V::reg vs, typename V::reg vm) {
+                                  typename V::reg vb, typename V::reg vs, typename V::reg vm,
+                                  const float* next, typename V::reg& next_max) {
   using R = typename V::reg;
+  R mx0 = V::set1(-std::numeric_limits<float>::infinity()), mx1 = mx0;
   const R zero = V::zero(), vl = V::set1(std::numbers::log2e_v<float>);
   const auto prob = [&](R x) {
     if constexpr (Raw) x = V::fma(x, zero, x);
@@ -476,16 +481,20 @@ typename V::reg row_probabilities(float* row, std::uint16_t* out16, int kp, type
   R sum0 = zero, sum1 = zero;
   int j = 0;
   for (; j + 2 * V::W <= kp; j += 2 * V::W) {
+    mx0 = V::max(mx0, V::load(next + j));
+    mx1 = V::max(mx1, V::load(next + j + V::W));
     const R p0 = prob(V::load(row + j)), p1 = prob(V::load(row + j + V::W));
     put_pair(j, p0, p1);
     sum0 = V::add(sum0, p0);
     sum1 = V::add(sum1, p1);
   }
   for (; j < kp; j += V::W) {
+    mx0 = V::max(mx0, V::load(next + j));
     const R p0 = prob(V::load(row + j));
     put(j, p0);
     sum0 = V::add(sum0, p0);
   }
+  next_max = V::max(mx0, mx1);
   return V::add(sum0, sum1);
 }
 
@@ -519,10 +528,14 @@ void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale
   const float c = scale * kLog2e;
   const R vc = V::set1(c), vs = V::set1(scale), vl = V::set1(kLog2e);
 
-  // The largest logit of row r (unscaled), its padding filled first.
-  const auto row_max = [&](int r) {
+  const auto fill_padding = [&](int r) {
     float* row = s + r * lds;
     for (int j = keys; j < kp; ++j) row[j] = pad;
+  };
+  // The largest logit of row r (unscaled), its padding filled first.
+  const auto row_max = [&](int r) {
+    fill_padding(r);
+    float* row = s + r * lds;
     R mx0 = V::set1(-kInf), mx1 = mx0;
     int j = 0;
     for (; j + 2 * V::W <= kp; j += 2 * V::W) {
@@ -532,8 +545,10 @@ void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale
     for (; j < kp; j += V::W) mx0 = V::max(mx0, V::load(row + j));
     return V::max(mx0, mx1);
   };
-  // Row r's probabilities against the reference m_use; returns their sum in lanes.
-  const auto row_probs = [&](int r, float m_use) {
+  // Row r's probabilities against the reference m_use; returns their sum in lanes, and row
+  // r_next's largest logit (padding filled before) in next_max.
+  const auto row_probs = [&](int r, float m_use, int r_next, R& next_max) {
+    const float* next = s + r_next * lds;
     float* row = s + r * lds;
     auto* out16 = reinterpret_cast<std::uint16_t*>(Pairs ? p + r * ldp : nullptr);
     // One FMA where |m log2 e| <= 1024, whose rounding then moves the exponent by at most
@@ -545,11 +560,15 @@ void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale
     const R vb = V::set1(b), vm = V::set1(m_use);
     R sum;
     if (raw)
-      sum = fold ? row_probabilities<V, Pairs, true, true>(row, out16, kp, vc, vb, vs, vm)
-                 : row_probabilities<V, Pairs, true, false>(row, out16, kp, vc, vb, vs, vm);
+      sum = fold ? row_probabilities<V, Pairs, true, true>(row, out16, kp, vc, vb, vs, vm, next,
+                                                           next_max)
+                 : row_probabilities<V, Pairs, true, false>(row, out16, kp, vc, vb, vs, vm, next,
+                                                            next_max);
     else
-      sum = fold ? row_probabilities<V, Pairs, false, true>(row, out16, kp, vc, vb, vs, vm)
-                 : row_probabilities<V, Pairs, false, false>(row, out16, kp, vc, vb, vs, vm);
+      sum = fold ? row_probabilities<V, Pairs, false, true>(row, out16, kp, vc, vb, vs, vm, next,
+                                                            next_max)
+                 : row_probabilities<V, Pairs, false, false>(row, out16, kp, vc, vb, vs, vm, next,
+                                                             next_max);
     // The padding keys' probabilities: exactly zero (2^-inf; in raw units 2^(-FLT_MAX c)).
     if constexpr (Pairs) {
       for (int j = keys; j < kp; ++j) out16[j] = 0;
@@ -567,9 +586,10 @@ void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale
                 }) {
     // row_reference in lanes; exp2_nonpositive(0) is exactly 1 where the reference stayed.
     const R headroom = V::set1(kMaxHeadroom);
+    R part[V::W];  // the group's row maxima (the first group's from row_max, then row_probs')
+    if (rows >= V::W)
+      for (int i = 0; i < V::W; ++i) part[i] = row_max(i);
     for (; r + V::W <= rows; r += V::W) {
-      R part[V::W];
-      for (int i = 0; i < V::W; ++i) part[i] = row_max(r + i);
       const R m_old = V::load(m + r), tile_max = V::mul(V::hmax_rows(part), vs);
       const R m_new = V::select_gt(tile_max, m_old, V::add(tile_max, headroom), m_old);
       const R m_use = V::select_zero_if_neg_inf(m_new);
@@ -578,15 +598,28 @@ void softmax_rows_to(float* s, std::int64_t lds, int rows, int keys, float scale
       V::store(alpha + r, a);
       float use[V::W];
       V::store(use, m_use);
-      for (int i = 0; i < V::W; ++i) part[i] = row_probs(r + i, use[i]);
-      V::store(l + r, V::add(V::mul(V::load(l + r), a), V::hsum_rows(part)));
+      // The next group's maxima come with this group's probabilities (the last group reads its
+      // own rows again, for nothing).
+      const bool more = r + 2 * V::W <= rows;
+      R sums[V::W];
+      for (int i = 0; i < V::W; ++i) {
+        const int next = more ? r + V::W + i : r + i;
+        if (more) fill_padding(next);
+        sums[i] = row_probs(r + i, use[i], next, part[i]);
+      }
+      V::store(l + r, V::add(V::mul(V::load(l + r), a), V::hsum_rows(sums)));
     }
   }
+  // One row at a time (the rows past the last group of W, or every row where V has no hmax_rows),
+  // the next row's maximum again taken with this row's probabilities.
+  R row_mx = r < rows ? row_max(r) : V::zero();
   for (; r < rows; ++r) {
-    const RowReference ref = row_reference(reduce_max<V>(row_max(r)) * scale, m[r]);
+    const RowReference ref = row_reference(reduce_max<V>(row_mx) * scale, m[r]);
     m[r] = ref.m_new;
     alpha[r] = ref.alpha;
-    l[r] = l[r] * ref.alpha + reduce_sum<V>(row_probs(r, ref.m_use));
+    const int next = r + 1 < rows ? r + 1 : r;
+    if (next != r) fill_padding(next);
+    l[r] = l[r] * ref.alpha + reduce_sum<V>(row_probs(r, ref.m_use, next, row_mx));
   }
 }
 
