@@ -6,12 +6,18 @@
 // the FMA / integer-dot rates `dattn info` measures.
 //
 //   bench_engine_steps [--rows 256] [--d 128] [--tiles 16] [--rounds 5] ENGINE[:PV_DTYPE]...
+//   bench_engine_steps --row-softmax [--rows 256] [--tiles 8] [--rounds 5] ENGINE...
 //
 // ENGINE is an engine of `dattn info` (emulated twins included); a SAGE engine takes
 // :auto, :int16, :int8, :bf16 or :f32 for its P.V (default auto). GFLOP/s count 4 rows x keys x d
 // per item (2 for Q.K^T, 2 for P.V); a step's figure is its half at that step's time. With an
 // integer P.V (:int8, :int16, and auto where it takes one) the softmax step also makes P's codes.
+//
+// --row-softmax times the engine's row softmax instead (RowSoftmax: the amx engines' softmax over
+// a panel of `tiles` key tiles; N(0, 1) dot products scaled in the exponent), softmax_rows_pairs
+// and softmax_rows, in nanoseconds per 16 logits (best of the rounds).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -57,20 +63,69 @@ PvDtype pv_of(std::string_view s) {
 int usage() {
   std::fprintf(stderr,
                "usage: bench_engine_steps [--rows N] [--d N] [--tiles N] [--rounds N] "
-               "ENGINE[:PV_DTYPE]...\n");
+               "ENGINE[:PV_DTYPE]...\n"
+               "       bench_engine_steps --row-softmax [--rows N] [--tiles N] [--rounds N] "
+               "ENGINE...\n");
   return 2;
+}
+
+// --row-softmax: RowSoftmax's two functions on rows x keys logits, interleaved over the engines.
+int time_row_softmax(const std::vector<std::string>& names, int rows, int keys, int rounds) {
+  const int kp = (keys + 15) / 16 * 16, pairs = ((keys + 1) / 2 + 15) / 16 * 16;
+  const std::int64_t lds = kp + 16, ldp = pairs + 16;
+  std::mt19937 gen(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> logits(std::size_t(rows) * lds);
+  for (float& x : logits) x = normal(gen) * 11.3f;  // dot products of N(0, 1) rows, d 128
+  const float scale = 1.0f / std::sqrt(128.0f);
+  std::vector<float> s(logits.size()), m(rows), l(rows), alpha(rows);
+  std::vector<std::uint32_t> p(std::size_t(rows) * ldp);
+  std::vector<std::array<double, 2>> best(names.size(), {1e300, 1e300});
+  using clock = std::chrono::steady_clock;
+  for (int round = 0; round < rounds; ++round)
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      const RowSoftmax& rs = engine_named(names[i], "engine").kernels().row_softmax;
+      for (int which = 0; which < 2; ++which)
+        for (int rep = 0; rep < 16; ++rep) {
+          std::copy(logits.begin(), logits.end(), s.begin());
+          std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+          std::fill(l.begin(), l.end(), 0.0f);
+          const auto t0 = clock::now();
+          if (which == 0)
+            rs.softmax_rows_pairs(s.data(), lds, rows, keys, scale, true, m.data(), l.data(),
+                                  alpha.data(), p.data(), ldp, pairs);
+          else
+            rs.softmax_rows(s.data(), lds, rows, keys, scale, true, m.data(), l.data(),
+                            alpha.data());
+          best[i][which] =
+              std::min(best[i][which], std::chrono::duration<double>(clock::now() - t0).count());
+        }
+    }
+  std::printf(
+      "row softmax: %d rows x %d keys (raw dot products), 1 thread, best of %d rounds x 16\n", rows,
+      keys, rounds);
+  std::printf("%-22s %22s %22s\n", "engine", "pairs ns/16 logits", "f32 ns/16 logits");
+  const double groups = double(rows) * kp / 16.0;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    std::printf("%-22s %22.2f %22.2f\n", names[i].c_str(), best[i][0] * 1e9 / groups,
+                best[i][1] * 1e9 / groups);
+  return 0;
 }
 }  // namespace
 
 int main(int argc, char** argv) try {
   int rows = 256, d = 128, tiles = 16, rounds = 5;
+  bool row_softmax = false, tiles_given = false;
   std::vector<std::string> names;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if ((a == "--rows" || a == "--d" || a == "--tiles" || a == "--rounds") && i + 1 < argc) {
+    if (a == "--row-softmax") {
+      row_softmax = true;
+    } else if ((a == "--rows" || a == "--d" || a == "--tiles" || a == "--rounds") && i + 1 < argc) {
       const int v = std::atoi(argv[++i]);
       if (v <= 0) return usage();
       (a == "--rows" ? rows : a == "--d" ? d : a == "--tiles" ? tiles : rounds) = v;
+      tiles_given = tiles_given || a == "--tiles";
     } else if (!a.empty() && a[0] != '-') {
       names.push_back(a);
     } else {
@@ -78,6 +133,8 @@ int main(int argc, char** argv) try {
     }
   }
   if (names.empty()) return usage();
+  if (row_softmax)
+    return time_row_softmax(names, rows, (tiles_given ? tiles : 8) * kTileKeys, rounds);
   constexpr int keys = kTileKeys;
   std::mt19937 gen(1);
   std::normal_distribution<float> normal;
