@@ -47,11 +47,19 @@ inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int6
   // While a micro-tile runs, the next one's K rows come in a cache line (16 floats) at a time:
   // they stream from L3 in the item's first row block, which the hardware prefetchers leave
   // Q.K^T waiting on (AMD Zen 4, bench_engine_steps --tiles 72, K and V beyond L2: Q.K^T 105 ->
-  // 114 GFLOP/s a core, the f32 engine 103 -> 107; no change on hot tiles). Prefetches past the
-  // tile's last key are harmless: a prefetch never faults.
+  // 114 GFLOP/s a core, the f32 engine 103 -> 107; no change on hot tiles). Past the tile's last
+  // key the addresses may lie beyond the buffer: they are made as integers, never dereferenced,
+  // and a prefetch never faults.
+  const std::uintptr_t next_keys = reinterpret_cast<std::uintptr_t>(k) +
+                                   std::uintptr_t(MK) * std::uintptr_t(ldk) * sizeof(float);
   for (int e0 = 0; e0 < d; e0 += 16) {
 #pragma GCC unroll 8
-    for (int m = 0; m < MK; ++m) __builtin_prefetch(k + (MK + m) * ldk + e0, 0, 3);
+    for (int m = 0; m < MK; ++m)
+      __builtin_prefetch(
+          reinterpret_cast<const void*>(
+              next_keys +
+              (std::uintptr_t(m) * std::uintptr_t(ldk) + std::uintptr_t(e0)) * sizeof(float)),
+          0, 3);
     const int e1 = e0 + 16 < d ? e0 + 16 : d;
     for (int e = e0; e < e1; ++e) {
       R q[NV];
