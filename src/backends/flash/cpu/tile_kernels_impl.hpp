@@ -123,7 +123,10 @@ inline typename V::reg softmax_exp(typename V::reg x, typename V::reg m_use) {
 template <class V>
 struct ColumnMax {
   using R = typename V::reg;
-  R even = V::set1(-std::numeric_limits<float>::infinity()), odd = even;
+  // A constructor of its own, not member initialisers: the engine's target region (clang's
+  // attribute pragma) applies to declared functions only, not to an implicit constructor.
+  ColumnMax() : even(V::set1(-std::numeric_limits<float>::infinity())), odd(even) {}
+  R even, odd;
   void take(int j, const float* s) {
     if ((j & 1) == 0)
       even = V::max(even, V::load(s));
