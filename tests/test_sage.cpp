@@ -111,8 +111,9 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
   std::mt19937 rng(5);
   std::normal_distribution<float> n(0.0f, 2.0f);
   // `extreme`: every element +-2, so every code is +-127 and every pair of products reaches the
-  // 16-bit pair sums' largest magnitude (avx2_int8's vpmaddubsw: 2 x 127 x 127); the logits are
-  // then exactly 0.125 q . k up to f32 rounding.
+  // 16-bit pair sums' largest magnitude (avx2_int8's vpmaddubsw: |q| <= 127 against k, or against
+  // k's complement -k - 1 where q < 0, so 2 x 127 x 128 where k = 127); the logits are then
+  // exactly 0.125 q . k up to f32 rounding.
   std::bernoulli_distribution coin(0.5);
   for (const bool extreme : {false, true})
     for (const int d : {64, 59, 128})

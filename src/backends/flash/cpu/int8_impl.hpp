@@ -31,8 +31,9 @@
 //                   (dg = ceil(d / G))
 //   V tile (panel)  the base engine's (f32 rows of stride dv + kStridePad where it has none)
 //   workspace: header | q [dg][ldg] groups of QT per row (ldg = int8_group_stride(rows_p)), for
-//              engines with I::kSplitSign the codes' magnitudes there and their signs after
-//              them ([dg][ldg] groups of bytes 0xff where the code is negative, else 0) |
+//              engines with I::kSplitSign the codes' magnitudes there, their signs after
+//              them ([dg][ldg] groups of bytes 0xff where the code is negative, else 0) and
+//              then each row's sum of its negative codes' magnitudes ([ldg] int32) |
 //              qs [rows_p] | inverse scales [rows_p] | zeros [rows_p] | the base engine's
 //              workspace
 // so Q.K^T broadcasts one key group against 2W query rows, like the bf16 engines' pairs.
@@ -71,7 +72,10 @@ constexpr int groups_of(int d) {
 }
 
 // Whether the engine keeps Q's codes as magnitudes and sign masks (avx2_int8's sign trick reads
-// both in every step; kept once per item, its loop makes neither).
+// both in every step; kept once per item, its loop makes neither). Such an engine's own loop body
+// (I::qk_group4 with the masks) adds |q| x (k ^ m) per element, which is q x k where q >= 0 and
+// q x k - |q| where q < 0 (k ^ 0xff = -k - 1): the dot falls short by the row's sum of its
+// negative codes' magnitudes, kept per row after the masks and added back after the last group.
 template <class I>
 constexpr bool split_sign() {
   if constexpr (requires { I::kSplitSign; })
@@ -89,7 +93,8 @@ template <class I, const TileKernels& (*Base)()>
 Int8Sizes int8_sizes(int rows_p, int d, int dv) {
   const TileKernels& b = Base();
   return {int8_align64(sizeof(Int8Header)),
-          int8_align64((split_sign<I>() ? 2 : 1) * std::size_t(groups_of<I>(d)) *
+          int8_align64((split_sign<I>() ? 2 * std::size_t(groups_of<I>(d)) + 1
+                                        : std::size_t(groups_of<I>(d))) *
                        std::size_t(int8_group_stride(rows_p)) * 4),
           int8_align64(std::size_t(rows_p) * sizeof(float)),
           b.formats.workspace_bytes != nullptr ? b.formats.workspace_bytes(rows_p, d, dv) : 0};
@@ -254,9 +259,16 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
     h->inv[r] = qn.inv;
   }
   int r0 = 0;
-  if constexpr (requires { I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg); }) {
+  if constexpr (!split_sign<I>() &&
+                requires { I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg); }) {
     // Whole vectors of rows in the engine's code (the same codes), the rest below.
     r0 = I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg);
+  }
+  // Split signs: each row's sum of its negative codes' magnitudes (split_sign()).
+  std::int32_t* negative = nullptr;
+  if constexpr (split_sign<I>()) {
+    negative = reinterpret_cast<std::int32_t*>(h->q + 2 * std::int64_t(h->dg) * h->ldg);
+    std::fill(negative, negative + rows_p, 0);
   }
   for (int g = 0; g < h->dg; ++g) {
     std::uint32_t* dst = h->q + std::int64_t(g) * h->ldg;
@@ -268,8 +280,10 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
       }
       if constexpr (split_sign<I>()) {
         int mags[4] = {0, 0, 0, 0}, signs[4] = {0, 0, 0, 0};
-        for (int t = 0; t < I::G; ++t)
+        for (int t = 0; t < I::G; ++t) {
           mags[t] = std::abs(codes[t]), signs[t] = codes[t] < 0 ? -1 : 0;
+          if (codes[t] < 0) negative[r] += mags[t];
+        }
         dst[r] = group_bits<I>(mags);
         dst[std::int64_t(h->dg) * h->ldg + r] = group_bits<I>(signs);
       } else {
@@ -291,9 +305,15 @@ inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int
   // Split signs (I::kSplitSign): q holds the magnitudes, qm the sign masks.
   const std::uint32_t* qm = q + std::int64_t(dg) * ldg;
   if constexpr (MK == 4 && split_sign<I>() && requires { I::qk_group4(acc, q, qm, k, dg); }) {
-    // The engine's own loop body for its full micro-tile.
+    // The engine's own loop body for its full micro-tile, then each row's negative magnitudes
+    // back (split_sign()).
     for (int g = 0; g < dg; ++g)
       I::qk_group4(acc, q + std::int64_t(g) * ldg, qm + std::int64_t(g) * ldg, k + g, dg);
+    const std::uint32_t* neg = qm + std::int64_t(dg) * ldg;
+    const R n0 = I::load(neg), n1 = I::load(neg + I::W);
+#pragma GCC unroll 4
+    for (int m = 0; m < MK; ++m)
+      acc[m][0] = I::add(acc[m][0], n0), acc[m][1] = I::add(acc[m][1], n1);
   } else if constexpr (MK == 4 && requires { I::qk_group4(acc, q, k, dg); }) {
     for (int g = 0; g < dg; ++g) I::qk_group4(acc, q + std::int64_t(g) * ldg, k + g, dg);
   } else {

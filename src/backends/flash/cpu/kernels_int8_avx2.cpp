@@ -1,6 +1,7 @@
 // The 256-bit SAGE engines: avx2_int8 (Q.K^T on vpmaddubsw with the sign trick: |q| as unsigned
-// bytes against k carrying q's sign (vpxor and vpsubb with q's sign masks, both made once per
-// item like the magnitudes), one vpmaddubsw's pair sums widened by vpmaddwd
+// bytes against k complemented where q < 0 (vpxor with q's sign masks, made once per item like
+// the magnitudes and each row's sum of its negative magnitudes, which the complement takes off
+// the dot and int8_qk_keys adds back), one vpmaddubsw's pair sums widened by vpmaddwd
 // with ones and added in 32 bits, exact, never two vpmaddubsw results summed in 16 bits; P.V
 // codes as int16 pairs on vpmaddwd) and avx_vnni (vpdpbusd on 256-bit registers: four
 // unsigned-by-signed byte products per lane, queries offset by 128); micro-tiles of 4 keys x 16
@@ -35,6 +36,7 @@ struct Avx2Lanes {
   static constexpr int W = 8, kKeys = 4;
   using ireg = __m256i;
   static ireg zero() { return _mm256_setzero_si256(); }
+  static ireg add(ireg a, ireg b) { return _mm256_add_epi32(a, b); }
   static ireg load(const std::uint32_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
@@ -86,21 +88,22 @@ struct Avx2Lanes {
       : "memory")
 
 // One group of the 4 x 2 Q.K^T micro-tile on the sign trick, as one block of assembly:
-// a[n][i] += |q_i| x (k_n signed by q_i) for the query registers' magnitudes u0, u1 and sign
-// masks x0, x1 (0xff bytes where q < 0) and the 4 broadcast key groups k_n at b0, b0 + s, b1,
-// b1 + s. (k ^ m) - m negates k where m is 0xff (k is never -128): two single-cycle ops that any
-// vector pipe runs, where vpsignb shares the two multiply pipes with vpmaddubsw and vpmaddwd on
-// AMD Zen 4 (a step of vpsignb, vpmaddubsw, vpmaddwd and vpaddd: 0.63 a cycle; with vpxor and
-// vpsubb: 0.79). vpmaddubsw multiplies u's unsigned bytes by the signed ones and adds each pair
-// in 16 bits: |q| <= 127 and |k| <= 127, so a pair sums to at most 2 x 127 x 127 = 32258 and
-// never saturates; vpmaddwd by ones adds the two pairs of each 32-bit lane exactly.
+// a[n][i] += |q_i| x (k_n ^ m_i) for the query registers' magnitudes u0, u1 and sign masks x0, x1
+// (m = 0xff bytes where q < 0) and the 4 broadcast key groups k_n at b0, b0 + s, b1, b1 + s.
+// k ^ 0xff is -k - 1, so |q| x (k ^ m) is q x k, less |q| where q < 0: int8_qk_keys adds each
+// row's sum of those magnitudes back after the last group (int8_impl.hpp, split_sign()), and the
+// step is one vpxor, which any vector pipe runs, where negating exactly ((k ^ m) - m) took a
+// vpsubb more and vpsignb shares the two multiply pipes with vpmaddubsw and vpmaddwd on AMD Zen 4
+// (a step of vpsignb, vpmaddubsw, vpmaddwd and vpaddd: 0.63 a cycle; with vpxor and vpsubb: 0.79;
+// Q.K^T of one 256-row item with vpxor alone 1.19x that with vpxor and vpsubb). vpmaddubsw
+// multiplies u's unsigned bytes by the signed ones and adds each pair in 16 bits: |q| <= 127 and
+// -128 <= k ^ m <= 127, so a pair sums to at most 2 x 127 x 128 = 32512 in magnitude and never
+// saturates; vpmaddwd by ones adds the two pairs of each 32-bit lane exactly.
 // clang-format off
 #define DATTN_SIGN_STEP(B, A0, A1)              \
   "vpbroadcastd " B ", %[t2]\n\t"               \
   "vpxor %[x0], %[t2], %[t0]\n\t"               \
   "vpxor %[x1], %[t2], %[t1]\n\t"               \
-  "vpsubb %[x0], %[t0], %[t0]\n\t"              \
-  "vpsubb %[x1], %[t1], %[t1]\n\t"              \
   "vpmaddubsw %[t0], %[u0], %[t0]\n\t"          \
   "vpmaddubsw %[t1], %[u1], %[t1]\n\t"          \
   "vpmaddwd %[ones], %[t0], %[t0]\n\t"          \
