@@ -1,12 +1,13 @@
 // The integer dot of the SAGE engines in portable C++, lane by lane, as the instructions compute
 // it (int8_impl.hpp's `I`): G = 2 is vpmaddwd + vpaddd (two int16 products summed exactly, then
 // added modulo 2^32), G = 4 with OffsetQ is vpdpbusd (four unsigned-by-signed byte products added
-// modulo 2^32), G = 4 without is avx2_int8's sign trick (four signed-by-signed byte products:
-// |q| by k carrying q's sign, pairs summed in 16 bits without saturating as |q|, |k| <= 127,
-// then added exactly). PvGroup: the groups of P.V's 8-bit codes (Pv8), 2 = int16 pairs. Integers
-// are exact, so a twin's logits equal its real engine's bit for bit; the conversion, the scales'
-// product and the terms' sum are the same f32 operations in the same order. Include only from an
-// engine file, inside its namespace, after int8_impl.hpp's headers.
+// modulo 2^32), G = 4 without is avx2_int8's (four signed-by-signed byte products added exactly:
+// the real engine's |q| by k complemented where q < 0, pairs summed in 16 bits without
+// saturating, plus each row's sum of its negative magnitudes, gives the same integers). PvGroup:
+// the groups of P.V's 8-bit codes (Pv8), 2 = int16 pairs. Integers are exact, so a twin's logits
+// equal its real engine's bit for bit; the conversion, the scales' product and the terms' sum are
+// the same f32 operations in the same order. Include only from an engine file, inside its
+// namespace, after int8_impl.hpp's headers.
 
 template <int Lanes, int Group, bool OffsetQ, int Keys, int PvGroup = Group>
 struct EmulatedInt8Ops {
