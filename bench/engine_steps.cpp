@@ -7,6 +7,7 @@
 //
 //   bench_engine_steps [--rows 256] [--d 128] [--tiles 16] [--rounds 5] ENGINE[:PV_DTYPE]...
 //   bench_engine_steps --row-softmax [--rows 256] [--tiles 8] [--rounds 5] ENGINE...
+//   bench_engine_steps --ceilings [--rounds 5]
 //
 // ENGINE is an engine of `dattn info` (emulated twins included); a SAGE engine takes
 // :auto, :int16, :int8, :bf16 or :f32 for its P.V (default auto). GFLOP/s count 4 rows x keys x d
@@ -16,6 +17,13 @@
 // --row-softmax times the engine's row softmax instead (RowSoftmax: the amx engines' softmax over
 // a panel of `tiles` key tiles; N(0, 1) dot products scaled in the exponent), softmax_rows_pairs
 // and softmax_rows, in nanoseconds per 16 logits (best of the rounds).
+//
+// --ceilings times the AVX2 engines' inner-loop instruction mixes alone, operands in registers
+// and the broadcast groups in L1, on one thread: the f32 FMA (avx2's Q.K^T and P.V), avx2_int8's
+// Q.K^T step (vpbroadcastd, vpxor, vpmaddubsw, vpmaddwd by ones, vpaddd: DATTN_SIGN_STEP in
+// kernels_int8_avx2.cpp) and its P.V step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd:
+// DATTN_MADD4X2), each in its kernel's register shape. Their rates bound what an item's qk GF/s
+// and pv GF/s can reach on this core, so avx2_int8's ceiling against avx2 reads off one run.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -60,12 +68,126 @@ PvDtype pv_of(std::string_view s) {
                               std::string(s));
 }
 
+#if defined(__x86_64__)
+// The mixes of --ceilings: `iters` times a block of the kernel's instructions; returns the
+// operations (2 per multiply-add) of one block. The accumulators are the kernels' (4 x 2 for the
+// integer steps, 12 for the FMA: enough to cover its latency) and nothing leaves the registers;
+// every register starts at zero (no denormals) and the upper halves are cleared after.
+alignas(64) std::uint32_t g_groups[64];
+
+#define DATTN_ALL_VECTORS                                                                  \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+      "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
+struct ZeroedVectors {
+  __attribute__((target("avx2"))) ZeroedVectors() {
+    __asm__ volatile("vzeroall" ::: DATTN_ALL_VECTORS);
+  }
+  __attribute__((target("avx2"))) ~ZeroedVectors() {
+    __asm__ volatile("vzeroupper" ::: DATTN_ALL_VECTORS);
+  }
+};
+
+__attribute__((target("avx2,fma"))) double mix_fma(long iters) {
+  const ZeroedVectors zeroed;
+  for (long i = 0; i < iters; ++i)
+    __asm__ volatile(
+        ".rept 2\n\t"
+        "vfmadd231ps %%ymm12, %%ymm13, %%ymm0\n\t vfmadd231ps %%ymm12, %%ymm14, %%ymm1\n\t"
+        "vfmadd231ps %%ymm12, %%ymm15, %%ymm2\n\t vfmadd231ps %%ymm12, %%ymm13, %%ymm3\n\t"
+        "vfmadd231ps %%ymm12, %%ymm14, %%ymm4\n\t vfmadd231ps %%ymm12, %%ymm15, %%ymm5\n\t"
+        "vfmadd231ps %%ymm12, %%ymm13, %%ymm6\n\t vfmadd231ps %%ymm12, %%ymm14, %%ymm7\n\t"
+        "vfmadd231ps %%ymm12, %%ymm15, %%ymm8\n\t vfmadd231ps %%ymm12, %%ymm13, %%ymm9\n\t"
+        "vfmadd231ps %%ymm12, %%ymm14, %%ymm10\n\t vfmadd231ps %%ymm12, %%ymm15, %%ymm11\n\t"
+        ".endr" ::
+            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+              "xmm10", "xmm11");
+  return 24 * 16;
+}
+
+// clang-format off
+#define DATTN_CEIL_SIGN(B, A0, A1)                                                                 \
+  "vpbroadcastd " B "(%0), %%ymm10\n\t vpxor %%ymm8, %%ymm10, %%ymm11\n\t"                       \
+  "vpxor %%ymm9, %%ymm10, %%ymm12\n\t vpmaddubsw %%ymm11, %%ymm13, %%ymm11\n\t"                   \
+  "vpmaddubsw %%ymm12, %%ymm14, %%ymm12\n\t vpmaddwd %%ymm15, %%ymm11, %%ymm11\n\t"               \
+  "vpmaddwd %%ymm15, %%ymm12, %%ymm12\n\t vpaddd %%ymm11, " A0 ", " A0 "\n\t"                     \
+  "vpaddd %%ymm12, " A1 ", " A1 "\n\t"
+#define DATTN_CEIL_MADD(B, A0, A1)                                                                 \
+  "vpbroadcastd " B "(%0), %%ymm10\n\t vpmaddwd %%ymm10, %%ymm8, %%ymm11\n\t"                    \
+  "vpmaddwd %%ymm10, %%ymm9, %%ymm12\n\t vpaddd %%ymm11, " A0 ", " A0 "\n\t"                      \
+  "vpaddd %%ymm12, " A1 ", " A1 "\n\t"
+// clang-format on
+
+__attribute__((target("avx2,fma"))) double mix_int8_qk(long iters) {
+  const ZeroedVectors zeroed;
+  for (long i = 0; i < iters; ++i)
+    __asm__ volatile(
+        DATTN_CEIL_SIGN("0", "%%ymm0", "%%ymm1") DATTN_CEIL_SIGN("4", "%%ymm2", "%%ymm3")
+            DATTN_CEIL_SIGN("8", "%%ymm4", "%%ymm5") DATTN_CEIL_SIGN("12", "%%ymm6", "%%ymm7")
+        :
+        : "r"(g_groups)
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "xmm11", "xmm12",
+          "memory");
+  return 8 * 32 * 2;
+}
+
+__attribute__((target("avx2,fma"))) double mix_int16_pv(long iters) {
+  const ZeroedVectors zeroed;
+  for (long i = 0; i < iters; ++i)
+    __asm__ volatile(
+        DATTN_CEIL_MADD("0", "%%ymm0", "%%ymm1") DATTN_CEIL_MADD("4", "%%ymm2", "%%ymm3")
+            DATTN_CEIL_MADD("8", "%%ymm4", "%%ymm5") DATTN_CEIL_MADD("12", "%%ymm6", "%%ymm7")
+        :
+        : "r"(g_groups)
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "xmm11", "xmm12",
+          "memory");
+  return 8 * 16 * 2;
+}
+#undef DATTN_CEIL_SIGN
+#undef DATTN_CEIL_MADD
+#undef DATTN_ALL_VECTORS
+
+int time_ceilings(int rounds) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+    throw std::invalid_argument("--ceilings needs AVX2 and FMA, which this CPU lacks");
+  struct Mix {
+    const char* name;
+    double (*run)(long);
+    double best = 1e300, ops = 0;
+  };
+  Mix mixes[] = {
+      {"f32 FMA (vfmadd231ps ymm): avx2's Q.K^T and P.V", &mix_fma},
+      {"avx2_int8 Q.K^T step (vpbroadcastd, vpxor, vpmaddubsw, vpmaddwd, vpaddd)", &mix_int8_qk},
+      {"avx2_int8 P.V step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd)", &mix_int16_pv},
+  };
+  constexpr long kIters = 8'000'000;
+  using clock = std::chrono::steady_clock;
+  for (int round = 0; round < rounds; ++round)
+    for (Mix& m : mixes) {
+      const auto t0 = clock::now();
+      m.ops = m.run(kIters) * double(kIters);
+      m.best = std::min(m.best, std::chrono::duration<double>(clock::now() - t0).count());
+    }
+  std::printf("instruction mixes alone, 1 thread, best of %d rounds (GOP/s: 2 a multiply-add)\n",
+              rounds);
+  const double fma = mixes[0].ops / mixes[0].best;
+  for (const Mix& m : mixes)
+    std::printf("%-76s %8.1f GOP/s %6.2fx FMA\n", m.name, m.ops / m.best / 1e9,
+                m.ops / m.best / fma);
+  return 0;
+}
+#else
+int time_ceilings(int) {
+  throw std::invalid_argument("--ceilings times x86-64 AVX2 instructions");
+}
+#endif
+
 int usage() {
   std::fprintf(stderr,
                "usage: bench_engine_steps [--rows N] [--d N] [--tiles N] [--rounds N] "
                "ENGINE[:PV_DTYPE]...\n"
                "       bench_engine_steps --row-softmax [--rows N] [--tiles N] [--rounds N] "
-               "ENGINE...\n");
+               "ENGINE...\n"
+               "       bench_engine_steps --ceilings [--rounds N]\n");
   return 2;
 }
 
@@ -115,12 +237,14 @@ int time_row_softmax(const std::vector<std::string>& names, int rows, int keys, 
 
 int main(int argc, char** argv) try {
   int rows = 256, d = 128, tiles = 16, rounds = 5;
-  bool row_softmax = false, tiles_given = false;
+  bool row_softmax = false, ceilings = false, tiles_given = false;
   std::vector<std::string> names;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--row-softmax") {
       row_softmax = true;
+    } else if (a == "--ceilings") {
+      ceilings = true;
     } else if ((a == "--rows" || a == "--d" || a == "--tiles" || a == "--rounds") && i + 1 < argc) {
       const int v = std::atoi(argv[++i]);
       if (v <= 0) return usage();
@@ -132,6 +256,7 @@ int main(int argc, char** argv) try {
       return usage();
     }
   }
+  if (ceilings) return names.empty() && !row_softmax ? time_ceilings(rounds) : usage();
   if (names.empty()) return usage();
   if (row_softmax)
     return time_row_softmax(names, rows, (tiles_given ? tiles : 8) * kTileKeys, rounds);
