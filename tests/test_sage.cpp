@@ -171,6 +171,63 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
       }
 }
 
+// An engine's K and V tiles are its twin's byte for byte, for each integer P.V: the vector
+// quantizers of the real engines (avx2_int8's pack_key_row and pack_v_pairs, avx512_vnni's
+// pack_key_row) make the portable loops' scales and codes, tails past a whole vector, columns
+// and keys that are not finite, all zeros or huge included.
+TEST(SageEngines, KAndVTilesAreTheTwinsBytes) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> n(0.0f, 3.0f);
+  int compared = 0;
+  for (const flash::Engine* e : int8_engines()) {
+    if (e->emulated) continue;
+    const flash::Engine* twin = nullptr;
+    for (const flash::Engine* t : int8_engines())
+      if (t->name == std::string(e->name) + "_emulated") twin = t;
+    if (twin == nullptr) continue;
+    for (const flash::PvDtype pv : {flash::PvDtype::int8, flash::PvDtype::int16}) {
+      const flash::TileKernels& a = flash::int8_engine_kernels(*e, pv);
+      const flash::TileKernels& b = flash::int8_engine_kernels(*twin, pv);
+      for (const int d : {64, 59, 128, 80})
+        for (const int keys : {64, 37, 1}) {
+          SCOPED_TRACE(std::string(e->name) + (pv == flash::PvDtype::int8 ? " int8" : " int16") +
+                       " d " + std::to_string(d) + " keys " + std::to_string(keys));
+          const std::int64_t ld = d + 16;
+          std::vector<float> x(std::size_t(keys) * ld);
+          for (float& v : x) v = n(rng);
+          for (int j = 0; j < keys; ++j) {
+            x[std::size_t(j) * ld + 1] = 0.0f;   // an all-zero column
+            x[std::size_t(j) * ld + 2] = 1e30f;  // a huge one
+          }
+          x[std::size_t(keys / 2) * ld + 5] = NAN;             // a column and a key with a NaN,
+          x[std::size_t(keys - 1) * ld + (d - 1)] = INFINITY;  // another with an inf (a tail)
+          const int dv = (d + a.col_align - 1) / a.col_align * a.col_align;
+          ASSERT_EQ(a.formats.k_tile_bytes(d), b.formats.k_tile_bytes(d));
+          ASSERT_EQ(a.formats.v_tile_bytes(dv), b.formats.v_tile_bytes(dv));
+          std::vector<float> v(std::size_t(keys) * (dv + 16), 0.0f);
+          for (int j = 0; j < keys; ++j)
+            std::copy_n(x.data() + std::size_t(j) * ld, d, v.data() + std::size_t(j) * (dv + 16));
+          const auto packed = [&](const flash::TileKernels& kk, bool key) {
+            const std::size_t bytes =
+                key ? kk.formats.k_tile_bytes(d) : kk.formats.v_tile_bytes(dv);
+            std::vector<unsigned char> buf(bytes + 64, 0);
+            auto* t = reinterpret_cast<unsigned char*>(
+                (reinterpret_cast<std::uintptr_t>(buf.data()) + 63) / 64 * 64);
+            if (key)
+              kk.formats.pack_k(x.data(), ld, keys, d, t);
+            else
+              kk.formats.pack_v(v.data(), dv + 16, keys, dv, t);
+            return std::vector<unsigned char>(t, t + bytes);
+          };
+          EXPECT_EQ(packed(a, true), packed(b, true)) << "K tiles";
+          EXPECT_EQ(packed(a, false), packed(b, false)) << "V tiles";
+          ++compared;
+        }
+    }
+  }
+  std::printf("[ tiles ] %d real engine / twin pairs x shapes compared\n", compared);
+}
+
 // The documented accuracy (docs/semantics.md, "SAGE"): cosine >= 0.9995 and mean relative L1
 // <= 1% per head against REFERENCE, on every int8 engine, D 64 and 128, Gaussian and DiT-like
 // inputs with smoothing on; smoothing is what keeps DiT-like K accurate.

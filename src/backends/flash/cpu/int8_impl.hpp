@@ -244,31 +244,40 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   const TileKernels& b = Base();
   if (b.formats.pack_q != nullptr)
     b.formats.pack_q(qt, ldqt, rows_p, d, dv, logit_scale, h->base_ws);
+  // Split signs: each row's sum of its negative codes' magnitudes (split_sign()).
+  std::int32_t* negative = nullptr;
+  int r0 = 0;  // rows from r0 on are left to the portable loops below
+  if constexpr (split_sign<I>()) {
+    negative = reinterpret_cast<std::int32_t*>(h->q + 2 * std::int64_t(h->dg) * h->ldg);
+    if constexpr (requires {
+                    I::pack_query_split(qt, ldqt, rows_p, d, logit_scale, h->qs, h->inv, h->q,
+                                        h->ldg, negative);
+                  }) {
+      // Whole vectors of rows in the engine's code: the same scales, magnitudes, sign masks
+      // and sums as the loops below.
+      r0 = I::pack_query_split(qt, ldqt, rows_p, d, logit_scale, h->qs, h->inv, h->q, h->ldg,
+                               negative);
+    }
+    std::fill(negative + r0, negative + rows_p, 0);
+  }
   // Per row: the largest magnitude (in qs) and whether every element is finite (inv = 0/1).
-  for (int r = 0; r < rows_p; ++r) h->qs[r] = 0.0f, h->inv[r] = 1.0f;
+  for (int r = r0; r < rows_p; ++r) h->qs[r] = 0.0f, h->inv[r] = 1.0f;
   for (int e = 0; e < d; ++e) {
     const float* col = qt + e * ldqt;
-    for (int r = 0; r < rows_p; ++r) {
+    for (int r = r0; r < rows_p; ++r) {
       if (!std::isfinite(col[r])) h->inv[r] = 0.0f;
       h->qs[r] = std::max(h->qs[r], std::fabs(col[r]));
     }
   }
-  for (int r = 0; r < rows_p; ++r) {
+  for (int r = r0; r < rows_p; ++r) {
     const Quant qn = quant_of(h->qs[r], h->inv[r] != 0.0f);
     h->qs[r] = qn.scale * logit_scale;
     h->inv[r] = qn.inv;
   }
-  int r0 = 0;
   if constexpr (!split_sign<I>() &&
                 requires { I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg); }) {
     // Whole vectors of rows in the engine's code (the same codes), the rest below.
     r0 = I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg);
-  }
-  // Split signs: each row's sum of its negative codes' magnitudes (split_sign()).
-  std::int32_t* negative = nullptr;
-  if constexpr (split_sign<I>()) {
-    negative = reinterpret_cast<std::int32_t*>(h->q + 2 * std::int64_t(h->dg) * h->ldg);
-    std::fill(negative, negative + rows_p, 0);
   }
   for (int g = 0; g < h->dg; ++g) {
     std::uint32_t* dst = h->q + std::int64_t(g) * h->ldg;
@@ -428,6 +437,7 @@ constexpr int pv8_group() {
 
 template <class I>
 struct Pv8 {
+  using Engine = I;
   static constexpr int G = pv8_group<I>();
   static constexpr float kPTop = 255.0f, kVTop = 127.0f;
   static typename I::ireg dot(typename I::ireg acc, const typename I::ireg& v, std::uint32_t p) {
@@ -441,6 +451,7 @@ struct Pv8 {
 };
 template <class I>
 struct Pv16 {
+  using Engine = I;
   static constexpr int G = 2;
   static constexpr float kPTop = 4095.0f, kVTop = 4095.0f;
   static typename I::ireg dot(typename I::ireg acc, const typename I::ireg& v, std::uint32_t p) {
@@ -470,9 +481,15 @@ void int8pv_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile
   auto* groups = reinterpret_cast<std::uint32_t*>(static_cast<unsigned char*>(tile) +
                                                   int8_align64(std::size_t(dv) * sizeof(float)));
   constexpr float top = F::kVTop;
+  int c0 = 0;  // columns from c0 on are left to the portable loops below
+  if constexpr (requires { F::Engine::pack_v_pairs(v, ld, keys, dv, top, vs, groups); }) {
+    // Whole vectors of columns in the engine's code (the same scales and codes).
+    if constexpr (F::G == 2) c0 = F::Engine::pack_v_pairs(v, ld, keys, dv, top, vs, groups);
+  }
+  if (c0 == dv) return;
   thread_local std::vector<float> inv;
   inv.resize(std::size_t(dv));
-  for (int c = 0; c < dv; ++c) {
+  for (int c = c0; c < dv; ++c) {
     float amax = 0.0f;
     bool finite = true;
     for (int j = 0; j < keys; ++j) {
@@ -491,7 +508,7 @@ void int8pv_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile
     inv[std::size_t(c)] = mul;
   }
   for (int g = 0; g < pv_groups<F>(); ++g)
-    for (int c = 0; c < dv; ++c) {
+    for (int c = c0; c < dv; ++c) {
       int codes[4] = {0, 0, 0, 0};
       for (int t = 0; t < F::G; ++t) {
         const int j = g * F::G + t;

@@ -7,7 +7,9 @@
 // unsigned-by-signed byte products per lane, queries offset by 128); micro-tiles of 4 keys x 16
 // query rows (8 accumulators). Layouts: int8_impl.hpp, shared with the emulated twins
 // (kernels_int8_emulated.cpp). P.V (f32 unless pv_dtype says otherwise), the softmax and the row
-// conversions are the avx2 engine's.
+// conversions are the avx2 engine's. Q's, K's and V's codes are made in vectors here
+// (pack_query_split, pack_key_row, pack_v_pairs): the portable loops' scales and codes, which
+// the twins keep (tests/test_sage.cpp, SageEngines).
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -44,6 +46,103 @@ struct Avx2Lanes {
     const __m256 t = _mm256_mul_ps(_mm256_set1_ps(ps), _mm256_loadu_ps(vs));
     _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), t,
                                         _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(alpha))));
+  }
+  // int8_impl.hpp's code_of(x * inv) in vectors: round half to even (the default MXCSR mode, as
+  // std::nearbyint), clamped to [-top, top] (127 unless given), 0 where x * inv is NaN.
+  static ireg codes8(__m256 x, __m256 inv, float top = 127.0f) {
+    const __m256 y = _mm256_mul_ps(x, inv);
+    const __m256 ordered = _mm256_cmp_ps(y, y, _CMP_ORD_Q);
+    const __m256 c = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 cl = _mm256_min_ps(_mm256_max_ps(c, _mm256_set1_ps(-top)), _mm256_set1_ps(top));
+    return _mm256_and_si256(_mm256_cvttps_epi32(cl), _mm256_castps_si256(ordered));
+  }
+  // int8pv_pack_v's work for whole vectors of 8 columns of a V tile whose codes go in int16 pairs
+  // (groups of 2 keys): each column's scale (max |v| / top; NaN where the column holds a value
+  // that is not finite, 0 where it is all zeros) into vs[c], its codes (0 past `keys`) as
+  // groups[g * dv + c] = code(2g) | code(2g + 1) << 16; returns the first column not done.
+  static int pack_v_pairs(const float* v, std::int64_t ld, int keys, int dv, float top, float* vs,
+                          std::uint32_t* groups) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+    const ireg low = _mm256_set1_epi32(0xffff);
+    int c = 0;
+    for (; c + W <= dv; c += W) {
+      __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      for (int j = 0; j < keys; ++j) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + j * ld + c), abs_mask);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // inf or NaN
+        mx = _mm256_max_ps(mx, a);
+      }
+      alignas(32) float amax[W], mul[W];
+      _mm256_store_ps(amax, mx);
+      const int not_finite = _mm256_movemask_ps(bad);
+      for (int i = 0; i < W; ++i) {  // int8pv_pack_v's scale and multiplier
+        float scale = 0.0f, m = 0.0f;
+        if ((not_finite >> i & 1) != 0) {
+          scale = std::numeric_limits<float>::quiet_NaN();
+        } else if (amax[i] > 0.0f && std::isfinite(top / amax[i])) {
+          scale = amax[i] / top;
+          m = top / amax[i];
+        }
+        vs[c + i] = scale;
+        mul[i] = m;
+      }
+      const __m256 vi = _mm256_load_ps(mul);
+      for (int g = 0; g < kTileKeys / 2; ++g) {
+        const int j = 2 * g;
+        const ireg c0 = j < keys ? codes8(_mm256_loadu_ps(v + j * ld + c), vi, top) : zero();
+        const ireg c1 =
+            j + 1 < keys ? codes8(_mm256_loadu_ps(v + (j + 1) * ld + c), vi, top) : zero();
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(groups + std::int64_t(g) * dv + c),
+                            _mm256_or_si256(_mm256_and_si256(c0, low), _mm256_slli_epi32(c1, 16)));
+      }
+    }
+    return c;
+  }
+  // int8_pack_k's work for one key (avx2_int8's and avx_vnni's hook, as avx512_vnni's): its scale
+  // (quant_of over its largest magnitude, NaN where an element is not finite) into *ks, its d codes
+  // as bytes into groups (zeros past d up to the last group); returns the codes' sum.
+  static std::int32_t pack_key_row(const float* x, int d, std::uint32_t* groups, float* ks) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    int e = 0;
+    for (; e + W <= d; e += W) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + e), abs_mask);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // inf or NaN
+      mx = _mm256_max_ps(mx, a);
+    }
+    alignas(32) float lanes[W];
+    _mm256_store_ps(lanes, mx);
+    float amax = 0.0f;
+    for (const float a : lanes) amax = std::max(amax, a);
+    bool finite = _mm256_movemask_ps(bad) == 0;
+    for (int t = e; t < d; ++t) {
+      finite = finite && std::isfinite(x[t]);
+      amax = std::max(amax, std::fabs(x[t]));
+    }
+    const Quant qn = quant_of(amax, finite);
+    *ks = qn.scale;
+    const __m256 vi = _mm256_set1_ps(qn.inv);
+    auto* bytes = reinterpret_cast<std::uint8_t*>(groups);
+    ireg sum = zero();
+    for (e = 0; e + W <= d; e += W) {
+      const ireg c = codes8(_mm256_loadu_ps(x + e), vi);
+      sum = _mm256_add_epi32(sum, c);
+      const __m128i words =
+          _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(bytes + e), _mm_packs_epi16(words, words));
+    }
+    alignas(32) std::int32_t partial[W];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(partial), sum);
+    std::int32_t total = 0;
+    for (const std::int32_t p : partial) total += p;
+    for (; e < (d + 3) / 4 * 4; ++e) {  // whole groups of 4 bytes
+      const int c = e < d ? code_of(x[e], qn.inv) : 0;
+      bytes[e] = std::uint8_t(std::int8_t(c));
+      total += c;
+    }
+    return total;
   }
   static void logits(float* st, ireg acc, std::int32_t corr, const float* qs, float ks, float kb,
                      const float* rt) {
@@ -153,6 +252,55 @@ struct Avx2Int8 : Avx2Lanes {
   }
   static void pv8_group4(ireg (&a)[4][2], const std::uint32_t* v, const std::uint32_t* p) {
     pv16_group4(a, v, p);
+  }
+  // int8_pack_q's work for whole vectors of 8 rows of Q^T (qt[e * ldqt + r]): each row's scale
+  // times logit_scale into qs and code multiplier into inv (quant_of over its largest magnitude,
+  // NaN / 0 where an element is not finite), its codes' magnitudes and sign masks (0xff where the
+  // code is negative) as groups of 4 bytes at q[g * ldg + r] and q[(dg + g) * ldg + r] (zeros past
+  // d), the sum of its negative codes' magnitudes into negative[r]; returns the first row not done.
+  static int pack_query_split(const float* qt, std::int64_t ldqt, int rows_p, int d,
+                              float logit_scale, float* qs, float* inv, std::uint32_t* q, int ldg,
+                              std::int32_t* negative) {
+    const int dg = (d + G - 1) / G;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+    const ireg low = _mm256_set1_epi32(0xff);
+    int r = 0;
+    for (; r + W <= rows_p; r += W) {
+      __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      for (int e = 0; e < d; ++e) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(qt + e * ldqt + r), abs_mask);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // inf or NaN
+        mx = _mm256_max_ps(mx, a);
+      }
+      alignas(32) float amax[W];
+      _mm256_store_ps(amax, mx);
+      const int not_finite = _mm256_movemask_ps(bad);
+      for (int i = 0; i < W; ++i) {
+        const bool finite = (not_finite >> i & 1) == 0;
+        const Quant qn = quant_of(finite ? amax[i] : 0.0f, finite);
+        qs[r + i] = qn.scale * logit_scale;
+        inv[r + i] = qn.inv;
+      }
+      const __m256 vi = _mm256_loadu_ps(inv + r);
+      ireg neg = zero();
+      for (int g = 0; g < dg; ++g) {
+        ireg mags = zero(), signs = zero();
+        for (int t = 0; t < G; ++t) {
+          const int e = G * g + t;
+          if (e >= d) break;
+          const ireg c = codes8(_mm256_loadu_ps(qt + e * ldqt + r), vi);
+          const ireg m = _mm256_abs_epi32(c), s = _mm256_srai_epi32(c, 31);
+          neg = _mm256_add_epi32(neg, _mm256_and_si256(m, s));
+          mags = _mm256_or_si256(mags, _mm256_slli_epi32(m, 8 * t));
+          signs = _mm256_or_si256(signs, _mm256_slli_epi32(_mm256_and_si256(s, low), 8 * t));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + std::int64_t(g) * ldg + r), mags);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + std::int64_t(dg + g) * ldg + r), signs);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(negative + r), neg);
+    }
+    return r;
   }
   // The signed codes of magnitudes u and sign masks m.
   static ireg signed_codes(ireg u, ireg m) { return _mm256_sub_epi8(_mm256_xor_si256(u, m), m); }

@@ -1,9 +1,10 @@
 // The 512-bit SAGE engine avx512_vnni: vpdpbusd on 512-bit registers (four unsigned-by-signed
 // byte products per 32-bit lane, queries offset by 128), micro-tiles of 8 keys x 32 query rows
 // (16 accumulators). Layouts: int8_impl.hpp, shared with the emulated twin
-// (kernels_int8_emulated.cpp). P.V on vdpbf16ps (the avx512_bf16 engine's) where the CPU has
-// AVX512-BF16, else (or with pv_dtype f32) the avx512 engine's f32; the softmax and row
-// conversions are the AVX-512 f32 ones.
+// (kernels_int8_emulated.cpp); Q's and K's codes, and V's as int16 pairs, made in vectors (the
+// portable loops' codes, tests/test_sage.cpp, SageEngines). P.V on vdpbf16ps (the avx512_bf16
+// engine's) where the CPU has AVX512-BF16, else (or with pv_dtype f32) the avx512 engine's f32; the
+// softmax and row conversions are the AVX-512 f32 ones.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -121,6 +122,54 @@ struct Avx512Vnni {
       }
     }
     return r;
+  }
+  // int8pv_pack_v's work for whole vectors of 16 columns of a V tile whose codes go in int16 pairs
+  // (pv_dtype int16, auto's here): each column's scale (max |v| / top; NaN where the column holds
+  // a value that is not finite, 0 where it is all zeros) into vs[c], its codes (0 past `keys`) as
+  // groups[g * dv + c] = code(2g) | code(2g + 1) << 16; returns the first column not done.
+  static int pack_v_pairs(const float* v, std::int64_t ld, int keys, int dv, float top, float* vs,
+                          std::uint32_t* groups) {
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    const __m512 lo = _mm512_set1_ps(-top), hi = _mm512_set1_ps(top);
+    const __m512i low = _mm512_set1_epi32(0xffff);
+    const auto codes = [&](const float* x, __m512 inv) {  // code_of with top
+      const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), inv);
+      const __mmask16 ordered = _mm512_cmp_ps_mask(y, y, _CMP_ORD_Q);
+      const __m512 c = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm512_maskz_cvtps_epi32(ordered, _mm512_min_ps(_mm512_max_ps(c, lo), hi));
+    };
+    int c = 0;
+    for (; c + W <= dv; c += W) {
+      __m512 mx = _mm512_setzero_ps();
+      __mmask16 bad = 0;
+      for (int j = 0; j < keys; ++j) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v + j * ld + c));
+        bad |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // inf or NaN
+        mx = _mm512_max_ps(mx, a);
+      }
+      alignas(64) float amax[W], mul[W];
+      _mm512_store_ps(amax, mx);
+      for (int i = 0; i < W; ++i) {  // int8pv_pack_v's scale and multiplier
+        float scale = 0.0f, m = 0.0f;
+        if ((bad >> i & 1) != 0) {
+          scale = std::numeric_limits<float>::quiet_NaN();
+        } else if (amax[i] > 0.0f && std::isfinite(top / amax[i])) {
+          scale = amax[i] / top;
+          m = top / amax[i];
+        }
+        vs[c + i] = scale;
+        mul[i] = m;
+      }
+      const __m512 vi = _mm512_load_ps(mul);
+      for (int g = 0; g < kTileKeys / 2; ++g) {
+        const int j = 2 * g;
+        const __m512i c0 = j < keys ? codes(v + j * ld + c, vi) : zero();
+        const __m512i c1 = j + 1 < keys ? codes(v + (j + 1) * ld + c, vi) : zero();
+        _mm512_storeu_si512(groups + std::int64_t(g) * dv + c,
+                            _mm512_or_si512(_mm512_and_si512(c0, low), _mm512_slli_epi32(c1, 16)));
+      }
+    }
+    return c;
   }
   static void accumulate(float* o, ireg acc, float alpha, float ps, const float* vs) {
     const __m512 t = _mm512_mul_ps(_mm512_set1_ps(ps), _mm512_loadu_ps(vs));
