@@ -106,16 +106,16 @@ std::size_t int8_workspace_bytes(int rows_p, int d, int dv) {
 }
 
 // The scale of values whose largest magnitude is `amax` (NaN: one is not finite), and the
-// multiplier that turns a value into its code (0 where the scale is 0).
+// multiplier that turns a value into its code (0 where the scale is 0), codes up to `top`.
 struct Quant {
   float scale, inv;
 };
-inline Quant quant_of(float amax, bool finite) {
+inline Quant quant_of(float amax, bool finite, float top = 127.0f) {
   if (!finite) return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
   if (!(amax > 0.0f)) return {0.0f, 0.0f};
-  const float inv = 127.0f / amax;
+  const float inv = top / amax;
   if (!std::isfinite(inv)) return {0.0f, 0.0f};
-  return {amax / 127.0f, inv};
+  return {amax / top, inv};
 }
 
 // The quantization of the n values of one row or key (its largest magnitude, its finiteness).
@@ -497,15 +497,9 @@ void int8pv_pack_v(const float* v, std::int64_t ld, int keys, int dv, void* tile
       finite = finite && std::isfinite(x);
       amax = std::max(amax, std::fabs(x));
     }
-    float scale = 0.0f, mul = 0.0f;  // quant_of with F's top
-    if (!finite) {
-      scale = std::numeric_limits<float>::quiet_NaN();
-    } else if (amax > 0.0f && std::isfinite(top / amax)) {
-      scale = amax / top;
-      mul = top / amax;
-    }
-    vs[c] = scale;
-    inv[std::size_t(c)] = mul;
+    const Quant qn = quant_of(amax, finite, top);
+    vs[c] = qn.scale;
+    inv[std::size_t(c)] = qn.inv;
   }
   for (int g = 0; g < pv_groups<F>(); ++g)
     for (int c = c0; c < dv; ++c) {

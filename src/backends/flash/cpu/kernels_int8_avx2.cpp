@@ -47,6 +47,14 @@ struct Avx2Lanes {
     _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), t,
                                         _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(alpha))));
   }
+  // One step of a largest-magnitude scan: mx takes |x| lane by lane, bad turns all-ones in a lane
+  // where x is inf or NaN (quant_of's `finite`).
+  static void take_magnitude(__m256& mx, __m256& bad, __m256 x) {
+    const __m256 a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    bad = _mm256_or_ps(
+        bad, _mm256_cmp_ps(a, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ));
+    mx = _mm256_max_ps(mx, a);
+  }
   // int8_impl.hpp's code_of(x * inv) in vectors: round half to even (the default MXCSR mode, as
   // std::nearbyint), clamped to [-top, top] (127 unless given), 0 where x * inv is NaN.
   static ireg codes8(__m256 x, __m256 inv, float top = 127.0f) {
@@ -62,30 +70,20 @@ struct Avx2Lanes {
   // groups[g * dv + c] = code(2g) | code(2g + 1) << 16; returns the first column not done.
   static int pack_v_pairs(const float* v, std::int64_t ld, int keys, int dv, float top, float* vs,
                           std::uint32_t* groups) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
     const ireg low = _mm256_set1_epi32(0xffff);
     int c = 0;
     for (; c + W <= dv; c += W) {
       __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
       for (int j = 0; j < keys; ++j) {
-        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + j * ld + c), abs_mask);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // inf or NaN
-        mx = _mm256_max_ps(mx, a);
+        take_magnitude(mx, bad, _mm256_loadu_ps(v + j * ld + c));
       }
       alignas(32) float amax[W], mul[W];
       _mm256_store_ps(amax, mx);
       const int not_finite = _mm256_movemask_ps(bad);
       for (int i = 0; i < W; ++i) {  // int8pv_pack_v's scale and multiplier
-        float scale = 0.0f, m = 0.0f;
-        if ((not_finite >> i & 1) != 0) {
-          scale = std::numeric_limits<float>::quiet_NaN();
-        } else if (amax[i] > 0.0f && std::isfinite(top / amax[i])) {
-          scale = amax[i] / top;
-          m = top / amax[i];
-        }
-        vs[c + i] = scale;
-        mul[i] = m;
+        const Quant qn = quant_of(amax[i], (not_finite >> i & 1) == 0, top);
+        vs[c + i] = qn.scale;
+        mul[i] = qn.inv;
       }
       const __m256 vi = _mm256_load_ps(mul);
       for (int g = 0; g < kTileKeys / 2; ++g) {
@@ -103,14 +101,10 @@ struct Avx2Lanes {
   // (quant_of over its largest magnitude, NaN where an element is not finite) into *ks, its d codes
   // as bytes into groups (zeros past d up to the last group); returns the codes' sum.
   static std::int32_t pack_key_row(const float* x, int d, std::uint32_t* groups, float* ks) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
     __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     int e = 0;
     for (; e + W <= d; e += W) {
-      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + e), abs_mask);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // inf or NaN
-      mx = _mm256_max_ps(mx, a);
+      take_magnitude(mx, bad, _mm256_loadu_ps(x + e));
     }
     alignas(32) float lanes[W];
     _mm256_store_ps(lanes, mx);
@@ -262,16 +256,12 @@ struct Avx2Int8 : Avx2Lanes {
                               float logit_scale, float* qs, float* inv, std::uint32_t* q, int ldg,
                               std::int32_t* negative) {
     const int dg = (d + G - 1) / G;
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
     const ireg low = _mm256_set1_epi32(0xff);
     int r = 0;
     for (; r + W <= rows_p; r += W) {
       __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
       for (int e = 0; e < d; ++e) {
-        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(qt + e * ldqt + r), abs_mask);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // inf or NaN
-        mx = _mm256_max_ps(mx, a);
+        take_magnitude(mx, bad, _mm256_loadu_ps(qt + e * ldqt + r));
       }
       alignas(32) float amax[W];
       _mm256_store_ps(amax, mx);

@@ -150,15 +150,9 @@ struct Avx512Vnni {
       alignas(64) float amax[W], mul[W];
       _mm512_store_ps(amax, mx);
       for (int i = 0; i < W; ++i) {  // int8pv_pack_v's scale and multiplier
-        float scale = 0.0f, m = 0.0f;
-        if ((bad >> i & 1) != 0) {
-          scale = std::numeric_limits<float>::quiet_NaN();
-        } else if (amax[i] > 0.0f && std::isfinite(top / amax[i])) {
-          scale = amax[i] / top;
-          m = top / amax[i];
-        }
-        vs[c + i] = scale;
-        mul[i] = m;
+        const Quant qn = quant_of(amax[i], (bad >> i & 1) == 0, top);
+        vs[c + i] = qn.scale;
+        mul[i] = qn.inv;
       }
       const __m512 vi = _mm512_load_ps(mul);
       for (int g = 0; g < kTileKeys / 2; ++g) {
