@@ -18,12 +18,15 @@
 // a panel of `tiles` key tiles; N(0, 1) dot products scaled in the exponent), softmax_rows_pairs
 // and softmax_rows, in nanoseconds per 16 logits (best of the rounds).
 //
-// --ceilings times the AVX2 engines' inner-loop instruction mixes alone, operands in registers
-// and the broadcast groups in L1, on one thread: the f32 FMA (avx2's Q.K^T and P.V), avx2_int8's
-// Q.K^T step (vpbroadcastd, vpxor, vpmaddubsw, vpmaddwd by ones, vpaddd: DATTN_SIGN_STEP in
-// kernels_int8_avx2.cpp) and its P.V step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd:
-// DATTN_MADD4X2), each in its kernel's register shape. Their rates bound what an item's qk GF/s
-// and pv GF/s can reach on this core, so avx2_int8's ceiling against avx2 reads off one run.
+// --ceilings times the engines' inner-loop instruction mixes alone, operands in registers and
+// the broadcast groups in L1, on one thread, each in its kernel's register shape: the f32 FMA
+// (avx2's and avx512's Q.K^T and P.V, ymm and zmm), avx2_int8's Q.K^T step (vpbroadcastd, vpxor,
+// vpmaddubsw, vpmaddwd by ones, vpaddd: DATTN_SIGN_STEP in kernels_int8_avx2.cpp) and its P.V
+// step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd: DATTN_MADD4X2), avx_vnni's (vpdpbusd,
+// vpdpwssd on ymm), avx512_bf16's vdpbf16ps step, and avx512_vnni's (vpdpbusd, vpdpwssd on zmm);
+// a mix this CPU (or DATTN_CPU_FEATURES) lacks prints "-". Their rates bound what an item's qk
+// GF/s and pv GF/s can reach on this core, so a SAGE engine's ceiling against FLASH's reads off
+// one run. Exits 77 (nothing timed) without AVX2 and FMA.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -41,6 +44,7 @@
 
 #include "backends/flash/engines.hpp"
 #include "backends/flash/kernels.hpp"
+#include "dattn/cpu_info.hpp"
 
 namespace {
 using namespace dattn::flash;
@@ -69,10 +73,11 @@ PvDtype pv_of(std::string_view s) {
 }
 
 #if defined(__x86_64__)
-// The mixes of --ceilings: `iters` times a block of the kernel's instructions; returns the
-// operations (2 per multiply-add) of one block. The accumulators are the kernels' (4 x 2 for the
-// integer steps, 12 for the FMA: enough to cover its latency) and nothing leaves the registers;
-// every register starts at zero (no denormals) and the upper halves are cleared after.
+// The mixes of --ceilings: `iters` times a block of the kernel's instructions (time_ceilings
+// counts each block's operations, 2 a multiply-add). The accumulators are the kernels' (4 x 2 for
+// the 256-bit integer steps, 8 x 2 for the 512-bit dot steps, 12 for the FMA: enough to cover its
+// latency) and nothing leaves the registers; every register starts at zero (no denormals) and the
+// upper halves are cleared after.
 alignas(64) std::uint32_t g_groups[64];
 
 #define DATTN_ALL_VECTORS                                                                  \
@@ -87,7 +92,7 @@ struct ZeroedVectors {
   }
 };
 
-__attribute__((target("avx2,fma"))) double mix_fma(long iters) {
+__attribute__((target("avx2,fma"))) void mix_fma(long iters) {
   const ZeroedVectors zeroed;
   for (long i = 0; i < iters; ++i)
     __asm__ volatile(
@@ -101,7 +106,6 @@ __attribute__((target("avx2,fma"))) double mix_fma(long iters) {
         ".endr" ::
             : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
               "xmm10", "xmm11");
-  return 24 * 16;
 }
 
 // clang-format off
@@ -117,7 +121,7 @@ __attribute__((target("avx2,fma"))) double mix_fma(long iters) {
   "vpaddd %%ymm12, " A1 ", " A1 "\n\t"
 // clang-format on
 
-__attribute__((target("avx2,fma"))) double mix_int8_qk(long iters) {
+__attribute__((target("avx2,fma"))) void mix_int8_qk(long iters) {
   const ZeroedVectors zeroed;
   for (long i = 0; i < iters; ++i)
     __asm__ volatile(
@@ -127,10 +131,9 @@ __attribute__((target("avx2,fma"))) double mix_int8_qk(long iters) {
         : "r"(g_groups)
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "xmm11", "xmm12",
           "memory");
-  return 8 * 32 * 2;
 }
 
-__attribute__((target("avx2,fma"))) double mix_int16_pv(long iters) {
+__attribute__((target("avx2,fma"))) void mix_int16_pv(long iters) {
   const ZeroedVectors zeroed;
   for (long i = 0; i < iters; ++i)
     __asm__ volatile(
@@ -140,39 +143,146 @@ __attribute__((target("avx2,fma"))) double mix_int16_pv(long iters) {
         : "r"(g_groups)
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "xmm11", "xmm12",
           "memory");
-  return 8 * 16 * 2;
+}
+// AVX-VNNI (vpdpbusd / vpdpwssd on 256-bit registers, VEX-encoded): avx_vnni's Q.K^T and int16
+// P.V steps in its 4 x 2 shape (avx2_int8's).
+#define DATTN_CEIL_VNNI(INSN, B, A0, A1)                                      \
+  "vpbroadcastd " B "(%0), %%ymm10\n\t %{vex%} " INSN " %%ymm10, %%ymm8, " A0 \
+  "\n\t"                                                                      \
+  "%{vex%} " INSN " %%ymm10, %%ymm9, " A1 "\n\t"
+#define DATTN_CEIL_VNNI_MIX(NAME, INSN)                                                         \
+  __attribute__((target("avx2,fma,avxvnni"))) void NAME(long iters) {                           \
+    const ZeroedVectors zeroed;                                                                 \
+    for (long i = 0; i < iters; ++i)                                                            \
+      __asm__ volatile(                                                                         \
+          DATTN_CEIL_VNNI(INSN, "0", "%%ymm0", "%%ymm1") DATTN_CEIL_VNNI(                       \
+              INSN, "4", "%%ymm2", "%%ymm3") DATTN_CEIL_VNNI(INSN, "8", "%%ymm4", "%%ymm5")     \
+              DATTN_CEIL_VNNI(INSN, "12", "%%ymm6", "%%ymm7")                                   \
+          :                                                                                     \
+          : "r"(g_groups)                                                                       \
+          : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "memory"); \
+  }
+DATTN_CEIL_VNNI_MIX(mix_vnni256_qk, "vpdpbusd")
+DATTN_CEIL_VNNI_MIX(mix_vnni256_pv16, "vpdpwssd")
+
+// AVX-512: zmm0-15 the accumulators, zmm16 / zmm17 the two vectors of the other operand, zmm18
+// the broadcast; in the 8 x 2 shape of avx512_vnni's Q.K^T (8 keys x 32 query rows) and int16
+// P.V (8 rows x 32 columns), which avx512_bf16's vdpbf16ps steps share.
+#define DATTN_CEIL_ZMM(INSN, B, A0, A1)                                                 \
+  "vpbroadcastd " B "(%0), %%zmm18\n\t " INSN " %%zmm18, %%zmm16, %%zmm" A0 "\n\t" INSN \
+  " %%zmm18, %%zmm17, %%zmm" A1 "\n\t"
+#define DATTN_CEIL_ZMM_MIX(NAME, TARGET, INSN)                                                    \
+  __attribute__((target(TARGET))) void NAME(long iters) {                                         \
+    const ZeroedZmm zeroed;                                                                       \
+    for (long i = 0; i < iters; ++i)                                                              \
+      __asm__ volatile(                                                                           \
+          DATTN_CEIL_ZMM(INSN, "0", "0", "1") DATTN_CEIL_ZMM(INSN, "4", "2", "3") DATTN_CEIL_ZMM( \
+              INSN, "8", "4", "5") DATTN_CEIL_ZMM(INSN, "12", "6", "7")                           \
+              DATTN_CEIL_ZMM(INSN, "16", "8", "9") DATTN_CEIL_ZMM(INSN, "20", "10", "11")         \
+                  DATTN_CEIL_ZMM(INSN, "24", "12", "13") DATTN_CEIL_ZMM(INSN, "28", "14", "15")   \
+          :                                                                                       \
+          : "r"(g_groups)                                                                         \
+          : DATTN_ZMM_ACCUMULATORS, "xmm18", "memory");                                           \
+  }
+#define DATTN_ZMM_ACCUMULATORS                                                             \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+      "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
+struct ZeroedZmm {
+  __attribute__((target("avx512f"))) ZeroedZmm() {
+    __asm__ volatile(
+        "vzeroall\n\t vpxord %%zmm16, %%zmm16, %%zmm16\n\t"
+        "vpxord %%zmm17, %%zmm17, %%zmm17\n\t vpxord %%zmm18, %%zmm18, %%zmm18" ::
+            : DATTN_ZMM_ACCUMULATORS, "xmm16", "xmm17", "xmm18");
+  }
+  __attribute__((target("avx512f"))) ~ZeroedZmm() {
+    __asm__ volatile("vzeroupper" ::: DATTN_ZMM_ACCUMULATORS);
+  }
+};
+DATTN_CEIL_ZMM_MIX(mix_zmm_vnni_qk, "avx512f,avx512vnni", "vpdpbusd")
+DATTN_CEIL_ZMM_MIX(mix_zmm_pv16, "avx512f,avx512vnni", "vpdpwssd")
+DATTN_CEIL_ZMM_MIX(mix_zmm_bf16, "avx512f,avx512bf16", "vdpbf16ps")
+
+__attribute__((target("avx512f"))) void mix_zmm_fma(long iters) {
+  const ZeroedZmm zeroed;
+  for (long i = 0; i < iters; ++i)
+    __asm__ volatile(
+        ".rept 2\n\t"
+        "vfmadd231ps %%zmm16, %%zmm17, %%zmm0\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm1\n\t"
+        "vfmadd231ps %%zmm16, %%zmm17, %%zmm2\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm3\n\t"
+        "vfmadd231ps %%zmm16, %%zmm17, %%zmm4\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm5\n\t"
+        "vfmadd231ps %%zmm16, %%zmm17, %%zmm6\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm7\n\t"
+        "vfmadd231ps %%zmm16, %%zmm17, %%zmm8\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm9\n\t"
+        "vfmadd231ps %%zmm16, %%zmm17, %%zmm10\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm11\n\t"
+        ".endr" ::
+            : DATTN_ZMM_ACCUMULATORS);
 }
 #undef DATTN_CEIL_SIGN
 #undef DATTN_CEIL_MADD
+#undef DATTN_CEIL_VNNI
+#undef DATTN_CEIL_VNNI_MIX
+#undef DATTN_CEIL_ZMM
+#undef DATTN_CEIL_ZMM_MIX
+#undef DATTN_ZMM_ACCUMULATORS
 #undef DATTN_ALL_VECTORS
 
 int time_ceilings(int rounds) {
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
-    throw std::invalid_argument("--ceilings needs AVX2 and FMA, which this CPU lacks");
+  const dattn::CpuFeatures& f = dattn::cpu_features();
+  const bool avx2 = f.avx2 && f.fma, avx512 = f.avx512f && f.avx512bw && f.avx512vl;
+  if (!avx2) {
+    // Nothing to time (CTest reads 77 as skipped: tests/CMakeLists.txt).
+    std::printf("--ceilings times AVX2 instructions and more; this CPU lacks AVX2 and FMA\n");
+    return 77;
+  }
+  // ops: operations (2 a multiply-add) of one call of run's block; base: the mix the line is
+  // read against (the f32 FMA of the same register width).
   struct Mix {
     const char* name;
-    double (*run)(long);
-    double best = 1e300, ops = 0;
+    void (*run)(long);
+    double ops;
+    int base;
+    const char* needs;  // nullptr where this CPU runs it, else the features it lacks
+    double best = 1e300;
   };
+  const auto lacks = [](bool has, const char* what) { return has ? nullptr : what; };
   Mix mixes[] = {
-      {"f32 FMA (vfmadd231ps ymm): avx2's Q.K^T and P.V", &mix_fma},
-      {"avx2_int8 Q.K^T step (vpbroadcastd, vpxor, vpmaddubsw, vpmaddwd, vpaddd)", &mix_int8_qk},
-      {"avx2_int8 P.V step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd)", &mix_int16_pv},
+      {"f32 FMA (vfmadd231ps ymm): avx2's Q.K^T and P.V", &mix_fma, 24 * 16, 0, nullptr},
+      {"avx2_int8 Q.K^T step (vpbroadcastd, vpxor, vpmaddubsw, vpmaddwd, vpaddd)", &mix_int8_qk,
+       8 * 32 * 2, 0, nullptr},
+      {"avx2_int8 P.V step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd)", &mix_int16_pv,
+       8 * 16 * 2, 0, nullptr},
+      {"avx_vnni Q.K^T step (vpbroadcastd, vpdpbusd ymm)", &mix_vnni256_qk, 8 * 32 * 2, 0,
+       lacks(f.avx_vnni, "AVX-VNNI")},
+      {"avx_vnni P.V step on int16 pairs (vpbroadcastd, vpdpwssd ymm)", &mix_vnni256_pv16,
+       8 * 16 * 2, 0, lacks(f.avx_vnni, "AVX-VNNI")},
+      {"f32 FMA (vfmadd231ps zmm): avx512's Q.K^T and P.V", &mix_zmm_fma, 24 * 32, 5,
+       lacks(avx512, "AVX-512")},
+      {"avx512_bf16 step (vpbroadcastd, vdpbf16ps zmm): FLASH's Q.K^T and P.V", &mix_zmm_bf16,
+       16 * 32 * 2, 5, lacks(avx512 && f.avx512_bf16, "AVX512-BF16")},
+      {"avx512_vnni Q.K^T step (vpbroadcastd, vpdpbusd zmm)", &mix_zmm_vnni_qk, 16 * 64 * 2, 5,
+       lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
+      {"avx512_vnni P.V step on int16 pairs (vpbroadcastd, vpdpwssd zmm)", &mix_zmm_pv16,
+       16 * 32 * 2, 5, lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
   };
   constexpr long kIters = 8'000'000;
   using clock = std::chrono::steady_clock;
   for (int round = 0; round < rounds; ++round)
     for (Mix& m : mixes) {
+      if (m.needs != nullptr) continue;
       const auto t0 = clock::now();
-      m.ops = m.run(kIters) * double(kIters);
-      m.best = std::min(m.best, std::chrono::duration<double>(clock::now() - t0).count());
+      m.run(kIters);
+      m.best = std::min(m.best, std::chrono::duration<double>(clock::now() - t0).count() /
+                                    (m.ops * double(kIters)));
     }
   std::printf("instruction mixes alone, 1 thread, best of %d rounds (GOP/s: 2 a multiply-add)\n",
               rounds);
-  const double fma = mixes[0].ops / mixes[0].best;
-  for (const Mix& m : mixes)
-    std::printf("%-76s %8.1f GOP/s %6.2fx FMA\n", m.name, m.ops / m.best / 1e9,
-                m.ops / m.best / fma);
+  for (const Mix& m : mixes) {
+    if (m.needs != nullptr) {
+      std::printf("%-76s %8s (this CPU lacks %s)\n", m.name, "-", m.needs);
+      continue;
+    }
+    std::printf("%-76s %8.1f GOP/s %6.2fx %s\n", m.name, 1e-9 / m.best, mixes[m.base].best / m.best,
+                m.base == 0 ? "FMA ymm" : "FMA zmm");
+  }
   return 0;
 }
 #else
