@@ -144,46 +144,52 @@ __attribute__((target("avx2,fma"))) void mix_int16_pv(long iters) {
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "xmm11", "xmm12",
           "memory");
 }
-// AVX-VNNI (vpdpbusd / vpdpwssd on 256-bit registers, VEX-encoded): avx_vnni's Q.K^T and int16
-// P.V steps in its 4 x 2 shape (avx2_int8's).
-#define DATTN_CEIL_VNNI(INSN, B, A0, A1)                                      \
-  "vpbroadcastd " B "(%0), %%ymm10\n\t %{vex%} " INSN " %%ymm10, %%ymm8, " A0 \
-  "\n\t"                                                                      \
+
+// AVX-VNNI (vpdpbusd / vpdpwssd on 256-bit registers, VEX-encoded: `{vex}`, its braces escaped
+// as %{ %} in inline assembly): avx_vnni's Q.K^T and int16 P.V steps in its 4 x 2 shape
+// (avx2_int8's).
+// clang-format off
+#define DATTN_CEIL_VNNI(INSN, B, A0, A1)                                                           \
+  "vpbroadcastd " B "(%0), %%ymm10\n\t %{vex%} " INSN " %%ymm10, %%ymm8, " A0 "\n\t"              \
   "%{vex%} " INSN " %%ymm10, %%ymm9, " A1 "\n\t"
-#define DATTN_CEIL_VNNI_MIX(NAME, INSN)                                                         \
-  __attribute__((target("avx2,fma,avxvnni"))) void NAME(long iters) {                           \
-    const ZeroedVectors zeroed;                                                                 \
-    for (long i = 0; i < iters; ++i)                                                            \
-      __asm__ volatile(                                                                         \
-          DATTN_CEIL_VNNI(INSN, "0", "%%ymm0", "%%ymm1") DATTN_CEIL_VNNI(                       \
-              INSN, "4", "%%ymm2", "%%ymm3") DATTN_CEIL_VNNI(INSN, "8", "%%ymm4", "%%ymm5")     \
-              DATTN_CEIL_VNNI(INSN, "12", "%%ymm6", "%%ymm7")                                   \
-          :                                                                                     \
-          : "r"(g_groups)                                                                       \
-          : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "memory"); \
+#define DATTN_CEIL_VNNI_MIX(NAME, INSN)                                                            \
+  __attribute__((target("avx2,fma,avxvnni"))) void NAME(long iters) {                              \
+    const ZeroedVectors zeroed;                                                                    \
+    for (long i = 0; i < iters; ++i)                                                               \
+      __asm__ volatile(                                                                            \
+          DATTN_CEIL_VNNI(INSN, "0", "%%ymm0", "%%ymm1")                                          \
+          DATTN_CEIL_VNNI(INSN, "4", "%%ymm2", "%%ymm3")                                          \
+          DATTN_CEIL_VNNI(INSN, "8", "%%ymm4", "%%ymm5")                                          \
+          DATTN_CEIL_VNNI(INSN, "12", "%%ymm6", "%%ymm7")                                         \
+          :                                                                                        \
+          : "r"(g_groups)                                                                          \
+          : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "memory");    \
   }
+// clang-format on
 DATTN_CEIL_VNNI_MIX(mix_vnni256_qk, "vpdpbusd")
 DATTN_CEIL_VNNI_MIX(mix_vnni256_pv16, "vpdpwssd")
 
 // AVX-512: zmm0-15 the accumulators, zmm16 / zmm17 the two vectors of the other operand, zmm18
 // the broadcast; in the 8 x 2 shape of avx512_vnni's Q.K^T (8 keys x 32 query rows) and int16
 // P.V (8 rows x 32 columns), which avx512_bf16's vdpbf16ps steps share.
-#define DATTN_CEIL_ZMM(INSN, B, A0, A1)                                                 \
-  "vpbroadcastd " B "(%0), %%zmm18\n\t " INSN " %%zmm18, %%zmm16, %%zmm" A0 "\n\t" INSN \
-  " %%zmm18, %%zmm17, %%zmm" A1 "\n\t"
-#define DATTN_CEIL_ZMM_MIX(NAME, TARGET, INSN)                                                    \
-  __attribute__((target(TARGET))) void NAME(long iters) {                                         \
-    const ZeroedZmm zeroed;                                                                       \
-    for (long i = 0; i < iters; ++i)                                                              \
-      __asm__ volatile(                                                                           \
-          DATTN_CEIL_ZMM(INSN, "0", "0", "1") DATTN_CEIL_ZMM(INSN, "4", "2", "3") DATTN_CEIL_ZMM( \
-              INSN, "8", "4", "5") DATTN_CEIL_ZMM(INSN, "12", "6", "7")                           \
-              DATTN_CEIL_ZMM(INSN, "16", "8", "9") DATTN_CEIL_ZMM(INSN, "20", "10", "11")         \
-                  DATTN_CEIL_ZMM(INSN, "24", "12", "13") DATTN_CEIL_ZMM(INSN, "28", "14", "15")   \
-          :                                                                                       \
-          : "r"(g_groups)                                                                         \
-          : DATTN_ZMM_ACCUMULATORS, "xmm18", "memory");                                           \
+// clang-format off
+#define DATTN_CEIL_ZMM(INSN, B, A0, A1)                                                            \
+  "vpbroadcastd " B "(%0), %%zmm18\n\t " INSN " %%zmm18, %%zmm16, %%zmm" A0 "\n\t"               \
+  INSN " %%zmm18, %%zmm17, %%zmm" A1 "\n\t"
+#define DATTN_CEIL_ZMM_MIX(NAME, TARGET, INSN)                                                     \
+  __attribute__((target(TARGET))) void NAME(long iters) {                                          \
+    const ZeroedZmm zeroed;                                                                        \
+    for (long i = 0; i < iters; ++i)                                                               \
+      __asm__ volatile(                                                                            \
+          DATTN_CEIL_ZMM(INSN, "0", "0", "1") DATTN_CEIL_ZMM(INSN, "4", "2", "3")                  \
+          DATTN_CEIL_ZMM(INSN, "8", "4", "5") DATTN_CEIL_ZMM(INSN, "12", "6", "7")                 \
+          DATTN_CEIL_ZMM(INSN, "16", "8", "9") DATTN_CEIL_ZMM(INSN, "20", "10", "11")              \
+          DATTN_CEIL_ZMM(INSN, "24", "12", "13") DATTN_CEIL_ZMM(INSN, "28", "14", "15")            \
+          :                                                                                        \
+          : "r"(g_groups)                                                                          \
+          : DATTN_ZMM_ACCUMULATORS, "xmm18", "memory");                                            \
   }
+// clang-format on
 #define DATTN_ZMM_ACCUMULATORS                                                             \
   "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
       "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
@@ -233,8 +239,9 @@ int time_ceilings(int rounds) {
     std::printf("--ceilings times AVX2 instructions and more; this CPU lacks AVX2 and FMA\n");
     return 77;
   }
-  // ops: operations (2 a multiply-add) of one call of run's block; base: the mix the line is
-  // read against (the f32 FMA of the same register width).
+  // ops: operations (2 a multiply-add) of one block of run's loop; base: the mix the line is
+  // read against (the f32 FMA of the same register width: kYmm or kZmm).
+  constexpr int kYmm = 0, kZmm = 5;
   struct Mix {
     const char* name;
     void (*run)(long);
@@ -245,23 +252,23 @@ int time_ceilings(int rounds) {
   };
   const auto lacks = [](bool has, const char* what) { return has ? nullptr : what; };
   Mix mixes[] = {
-      {"f32 FMA (vfmadd231ps ymm): avx2's Q.K^T and P.V", &mix_fma, 24 * 16, 0, nullptr},
+      {"f32 FMA (vfmadd231ps ymm): avx2's Q.K^T and P.V", &mix_fma, 24 * 16, kYmm, nullptr},
       {"avx2_int8 Q.K^T step (vpbroadcastd, vpxor, vpmaddubsw, vpmaddwd, vpaddd)", &mix_int8_qk,
-       8 * 32 * 2, 0, nullptr},
+       8 * 32 * 2, kYmm, nullptr},
       {"avx2_int8 P.V step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd)", &mix_int16_pv,
-       8 * 16 * 2, 0, nullptr},
-      {"avx_vnni Q.K^T step (vpbroadcastd, vpdpbusd ymm)", &mix_vnni256_qk, 8 * 32 * 2, 0,
+       8 * 16 * 2, kYmm, nullptr},
+      {"avx_vnni Q.K^T step (vpbroadcastd, vpdpbusd ymm)", &mix_vnni256_qk, 8 * 32 * 2, kYmm,
        lacks(f.avx_vnni, "AVX-VNNI")},
       {"avx_vnni P.V step on int16 pairs (vpbroadcastd, vpdpwssd ymm)", &mix_vnni256_pv16,
-       8 * 16 * 2, 0, lacks(f.avx_vnni, "AVX-VNNI")},
-      {"f32 FMA (vfmadd231ps zmm): avx512's Q.K^T and P.V", &mix_zmm_fma, 24 * 32, 5,
+       8 * 16 * 2, kYmm, lacks(f.avx_vnni, "AVX-VNNI")},
+      {"f32 FMA (vfmadd231ps zmm): avx512's Q.K^T and P.V", &mix_zmm_fma, 24 * 32, kZmm,
        lacks(avx512, "AVX-512")},
       {"avx512_bf16 step (vpbroadcastd, vdpbf16ps zmm): FLASH's Q.K^T and P.V", &mix_zmm_bf16,
-       16 * 32 * 2, 5, lacks(avx512 && f.avx512_bf16, "AVX512-BF16")},
-      {"avx512_vnni Q.K^T step (vpbroadcastd, vpdpbusd zmm)", &mix_zmm_vnni_qk, 16 * 64 * 2, 5,
+       16 * 32 * 2, kZmm, lacks(avx512 && f.avx512_bf16, "AVX512-BF16")},
+      {"avx512_vnni Q.K^T step (vpbroadcastd, vpdpbusd zmm)", &mix_zmm_vnni_qk, 16 * 64 * 2, kZmm,
        lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
       {"avx512_vnni P.V step on int16 pairs (vpbroadcastd, vpdpwssd zmm)", &mix_zmm_pv16,
-       16 * 32 * 2, 5, lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
+       16 * 32 * 2, kZmm, lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
   };
   constexpr long kIters = 8'000'000;
   using clock = std::chrono::steady_clock;
@@ -281,7 +288,7 @@ int time_ceilings(int rounds) {
       continue;
     }
     std::printf("%-76s %8.1f GOP/s %6.2fx %s\n", m.name, 1e-9 / m.best, mixes[m.base].best / m.best,
-                m.base == 0 ? "FMA ymm" : "FMA zmm");
+                m.base == kYmm ? "FMA ymm" : "FMA zmm");
   }
   return 0;
 }
