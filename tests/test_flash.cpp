@@ -1101,6 +1101,91 @@ TEST(FlashSteps, SoftmaxTileCodesMatchesSoftmaxTile) {
   EXPECT_GE(ran, 1);
 }
 
+// avx512_bf16's softmax step writes P's bf16 pairs itself (softmax_tile_pairs) for its pv, which
+// no longer packs ST: over three tiles of 1-64 keys its steps give the bits of the avx512 f32
+// softmax (m, l and alpha) followed by the P.V of its emulated twin, which packs that softmax's
+// f32 probabilities and computes vdpbf16ps lane by lane; ST keeps the logits. Rows hidden
+// throughout, far down the float range, with a NaN logit, and blocks of rows at other offsets.
+TEST(FlashSteps, Bf16SoftmaxPairsGiveTheBitsOfSoftmaxThenPacking) {
+  const flash::Engine& real = engine("avx512_bf16");
+  if (const auto why = real.unavailable()) GTEST_SKIP() << "avx512_bf16: " << *why;
+  const flash::TileKernels& kk = real.kernels();
+  const flash::TileKernels& f32 = engine("avx512").kernels();
+  const flash::TileKernels& twin = engine("avx512_bf16_emulated").kernels();
+  constexpr int kRowsP = 64, kRows = 50, kLd = kRowsP + 16, kD = 64, kDv = 64, kLdo = kDv + 16;
+  const auto hidden = [](int r) { return r % 16 == 3; };
+  const auto far_down = [](int r) { return r % 16 == 5; };
+  const auto has_nan = [](int r) { return r == 20; };
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  const auto aligned = [](std::vector<unsigned char>& b) {
+    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(b.data()) + 63) / 64 * 64);
+  };
+  std::vector<float> qt(std::size_t(kD) * kLd);
+  for (float& x : qt) x = nd(rng);
+  std::vector<unsigned char> ws_real(kk.formats.workspace_bytes(kRowsP, kD, kDv) + 64),
+      ws_twin(twin.formats.workspace_bytes(kRowsP, kD, kDv) + 64);
+  kk.formats.pack_q(qt.data(), kLd, kRowsP, kD, kDv, 0.125f, aligned(ws_real));
+  twin.formats.pack_q(qt.data(), kLd, kRowsP, kD, kDv, 0.125f, aligned(ws_twin));
+  std::vector<float> m1(kRowsP, -INFINITY), l1(kRowsP, 0.0f), a1(kRowsP), m2 = m1, l2 = l1,
+                                                                          a2(kRowsP);
+  std::vector<float> o1(std::size_t(kRowsP) * kLdo);
+  for (float& x : o1) x = nd(rng);
+  std::vector<float> o2 = o1;
+  int tile = 0;
+  for (const int keys : {64, 17, 1, 63}) {
+    const std::string what = "tile " + std::to_string(tile) + " keys " + std::to_string(keys);
+    std::vector<float> st(std::size_t(keys) * kLd), v(std::size_t(keys) * kDv);
+    for (int j = 0; j < keys; ++j)
+      for (int r = 0; r < kRowsP; ++r) {
+        float x = nd(rng) * float(tile + 1) + 40.0f * float((r / 8) % 3);
+        if (hidden(r)) x = -INFINITY;
+        if (far_down(r)) x = -1e38f + 1e32f * float(j);
+        if (has_nan(r) && j == keys / 2 && tile == 2) x = NAN;
+        st[std::size_t(j) * kLd + r] = x;
+      }
+    for (float& x : v) x = nd(rng);
+    std::vector<unsigned char> v_real(kk.formats.v_tile_bytes(kDv) + 64),
+        v_twin(twin.formats.v_tile_bytes(kDv) + 64);
+    kk.formats.pack_v(v.data(), kDv, keys, kDv, aligned(v_real));
+    twin.formats.pack_v(v.data(), kDv, keys, kDv, aligned(v_twin));
+    std::vector<float> st1 = st, st2 = st;
+    kk.steps.softmax_tile(st1.data(), kLd, keys, kRowsP, m1.data(), l1.data(), a1.data(),
+                          aligned(ws_real));
+    EXPECT_EQ(std::memcmp(st1.data(), st.data(), st.size() * sizeof(float)), 0)
+        << what << ": ST keeps the logits";
+    kk.steps.pv(st1.data(), kLd, aligned(v_real), kDv, o1.data(), kLdo, a1.data(), kRows, keys, kDv,
+                aligned(ws_real));
+    f32.steps.softmax_tile(st2.data(), kLd, keys, kRowsP, m2.data(), l2.data(), a2.data(), nullptr);
+    twin.steps.pv(st2.data(), kLd, aligned(v_twin), kDv, o2.data(), kLdo, a2.data(), kRows, keys,
+                  kDv, aligned(ws_twin));
+    for (int r = 0; r < kRowsP; ++r) {
+      const std::string row = what + " row " + std::to_string(r);
+      EXPECT_EQ(std::memcmp(&m1[r], &m2[r], sizeof(float)), 0) << row;
+      if (has_nan(r) && tile >= 2) {
+        EXPECT_TRUE(std::isnan(l1[r]) && std::isnan(l2[r])) << row;
+      } else {
+        EXPECT_EQ(std::memcmp(&l1[r], &l2[r], sizeof(float)), 0) << row;
+        EXPECT_EQ(std::memcmp(&a1[r], &a2[r], sizeof(float)), 0) << row;
+      }
+      if (r >= kRows) continue;
+      for (int c = 0; c < kDv; ++c) {
+        const float x1 = o1[std::size_t(r) * kLdo + c], x2 = o2[std::size_t(r) * kLdo + c];
+        if (std::isnan(x2)) {
+          ASSERT_TRUE(std::isnan(x1)) << row << " column " << c;
+        } else {
+          ASSERT_EQ(std::memcmp(&x1, &x2, sizeof(float)), 0)
+              << row << " column " << c << ": " << x1 << " vs " << x2;
+        }
+      }
+    }
+    ++tile;
+  }
+  // The NaN row's output is NaN from its tile on; the hidden rows saw nothing.
+  EXPECT_TRUE(std::isnan(o1[std::size_t(20) * kLdo]));
+  EXPECT_EQ(l1[3], 0.0f);
+}
+
 std::vector<std::string> engine_names() {
   std::vector<std::string> names;
   for (const EngineInfo& e : flash_engines()) names.push_back(e.name);

@@ -150,8 +150,9 @@ struct TileSteps {
   // plus kMaxHeadroom, only when a logit passes it) and sum l[r], turns the column into
   // e^(s - m_new) and sets alpha[r] = e^(m_old - m_new), the factor that rescales the row's
   // earlier output (exactly 1 when m did not move). A NaN or +inf logit makes l[r] NaN for
-  // good. `ws` is the engine's workspace: an engine whose P.V takes P as integer codes writes
-  // them there instead (softmax_tile_codes), the f32 and bf16 engines ignore it.
+  // good. `ws` is the engine's workspace: an engine whose P.V takes P in another format writes
+  // P there instead, leaving ST the logits (integer codes: softmax_tile_codes; avx512_bf16's
+  // bf16 pairs: softmax_tile_pairs), and its pv ignores `pt`; the f32 engines ignore `ws`.
   void (*softmax_tile)(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
                        float* alpha, void* ws) = nullptr;
   // O[r] = O[r] * alpha[r] + sum_j PT[j][r] V[j] for `rows` rows (dv % col_align == 0); `v` is
@@ -262,6 +263,9 @@ struct Bf16Functions {
   int item_rows = 0;
   // The engine's own softmax_rows_pairs (nullptr: base's).
   decltype(RowSoftmax::softmax_rows_pairs) softmax_rows_pairs = nullptr;
+  // The engine's own softmax step (nullptr: base's): one that writes P's pairs into the
+  // engine's workspace for its pv.
+  decltype(TileSteps::softmax_tile) softmax_tile = nullptr;
 };
 inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels& base,
                                      const Bf16Functions& f) {
@@ -277,6 +281,7 @@ inline TileKernels bf16_tile_kernels(std::string_view engine, const TileKernels&
   k.loop.panel_tiles = f.panel_tiles;
   if (f.item_rows > 0) k.loop.item_rows = k.loop.item_rows_large_l2 = f.item_rows;
   if (f.softmax_rows_pairs != nullptr) k.row_softmax.softmax_rows_pairs = f.softmax_rows_pairs;
+  if (f.softmax_tile != nullptr) k.steps.softmax_tile = f.softmax_tile;
   return k;
 }
 

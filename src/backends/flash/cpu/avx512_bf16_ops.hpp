@@ -95,8 +95,12 @@ struct Avx512Bf16Ops {
     _mm512_storeu_si512(dst, (__m512i)b);  // NOLINT(readability-casting)
   }
   static void pack16_interleaved(const float* even, const float* odd, std::uint32_t* dst) {
-    const __m512 o = odd != nullptr ? _mm512_loadu_ps(odd) : _mm512_setzero_ps();
-    const __m512bh b = _mm512_cvtne2ps_pbh(o, _mm512_loadu_ps(even));  // even | odd halves
+    store_pairs16(dst, _mm512_loadu_ps(even),
+                  odd != nullptr ? _mm512_loadu_ps(odd) : _mm512_setzero_ps());
+  }
+  // dst[i] = the pair (even[i], odd[i]) for 16 lanes (the softmax's P pairs too).
+  static void store_pairs16(std::uint32_t* dst, __m512 even, __m512 odd) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(odd, even);  // even | odd halves
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
                                          8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, (__m512i)b));  // NOLINT

@@ -16,6 +16,7 @@
 //   V tile (panel)  [kTileKeys/2][dv] pairs of key rows 2j and 2j + 1, per column
 //   workspace: q    [d2][rows_p]      pairs of QT over d, unscaled, packed once per work item
 //              p    [k2][rows_p]      probabilities rounded to bf16, pairs over keys, per row
+//                                     (packed from ST by pv, or made by the engine's softmax step)
 // so Q.K^T broadcasts one K pair against 32 query rows, and P.V one P pair against 32 columns;
 // every packing step is a vector operation on whole rows (no transposition).
 
@@ -158,13 +159,15 @@ inline void pv_tail(int n, const std::uint32_t* p, int rows_p, int k2, const std
   }
 }
 
-template <class D>
+// PairsMade: the engine's softmax step wrote P's pairs into the workspace already
+// (softmax_to_pairs); else P^T's f32 rows in ST are packed here.
+template <class D, bool PairsMade = false>
 void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*ldv*/, float* o,
         std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* ws) {
   const Workspace& w = *static_cast<const Workspace*>(ws);
   const auto* v = static_cast<const std::uint32_t*>(v_tile);
   const int k2 = (keys + 1) / 2, rows_p = w.rows_p;
-  pack_row_pairs_of_rows<D>(pt, ldpt, keys, rows_p, k2, w.p);
+  if constexpr (!PairsMade) pack_row_pairs_of_rows<D>(pt, ldpt, keys, rows_p, k2, w.p);
   constexpr int kRows = 8;  // 8 rows x 32 columns: 16 accumulators
   for (int c = 0; c < dv; c += 2 * D::W) {
     int r = 0;
@@ -175,12 +178,31 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t /*l
   }
 }
 
+// The softmax step of an engine whose softmax makes P's pairs itself: Softmax (the f32 base's
+// softmax_tile_pairs, tile_kernels_impl.hpp, instantiated in the engine's target region) writes
+// them where pv<D, true> reads them, in one pass instead of f32 probabilities into ST and their
+// packing in pv (AMD Zen 4, one core, bench_engine_steps: P.V 204-205 -> 213-214 GFLOP/s, the
+// softmax 6.2% -> 7.1-7.7% of the item, the item 199.5-199.9 -> 201.9-202.8; docs/benchmarks.md).
+template <auto Softmax>
+void softmax_to_pairs(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                      float* alpha, void* ws) {
+  const Workspace& w = *static_cast<const Workspace*>(ws);
+  Softmax(st, ldst, keys, rows_p, m, l, alpha, w.p, w.rows_p);
+}
+
 // The functions an engine's TileKernels take from here (instantiated inside the including
-// file's target region; bf16_tile_kernels() assembles them outside it).
-template <class D>
+// file's target region; bf16_tile_kernels() assembles them outside it). Softmax: nullptr for the
+// base's softmax step and the packing in pv, else softmax_to_pairs's.
+template <class D, auto Softmax = nullptr>
 constexpr Bf16Functions bf16_dot_functions() {
-  return {&qk<D>,
-          &pv<D>,
-          {&workspace_bytes, &pack_q<D>, &k_tile_bytes, &v_tile_bytes, &pack_k<D>, &pack_v<D>},
-          2 * D::W};
+  // On the type, not the address: a function's address is no constant expression under
+  // GCC's sanitizers.
+  constexpr bool fused = !std::is_same_v<decltype(Softmax), std::nullptr_t>;
+  Bf16Functions f{
+      &qk<D>,
+      &pv<D, fused>,
+      {&workspace_bytes, &pack_q<D>, &k_tile_bytes, &v_tile_bytes, &pack_k<D>, &pack_v<D>},
+      2 * D::W};
+  if constexpr (fused) f.softmax_tile = &softmax_to_pairs<Softmax>;
+  return f;
 }

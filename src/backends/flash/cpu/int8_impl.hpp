@@ -394,6 +394,15 @@ void int8_pv(const float* pt, std::int64_t ldpt, const void* v, std::int64_t ldv
                   static_cast<const Int8Header*>(ws)->base_ws);
 }
 
+// The base's softmax step, in the base's own workspace too (where a bf16 base's softmax writes
+// P's pairs for its P.V: bf16_dot_impl.hpp's softmax_to_pairs).
+template <const TileKernels& (*Base)()>
+void int8_softmax(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                  float* alpha, void* ws) {
+  Base().steps.softmax_tile(st, ldst, keys, rows_p, m, l, alpha,
+                            static_cast<const Int8Header*>(ws)->base_ws);
+}
+
 template <const TileKernels& (*Base)()>
 std::size_t int8_v_tile_bytes(int dv) {
   const TileKernels& b = Base();
@@ -634,7 +643,9 @@ constexpr Int8Functions int8_functions() {
           {&int8_workspace_bytes<I, Base>, &int8_pack_q<I, Base>, &int8_k_tile_bytes<I>,
            &int8_v_tile_bytes<Base>, &int8_pack_k<I>, &int8_pack_v<Base>, &int8_set_key_bias,
            &int8_set_row_terms},
-          2 * I::W};
+          2 * I::W,
+          0,
+          &int8_softmax<Base>};
 }
 
 // The same engine with P.V in integers (pv_dtype int8: F = Pv8<I>; int16: F = Pv16<I>) on the f32

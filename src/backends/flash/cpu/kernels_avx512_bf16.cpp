@@ -1,11 +1,15 @@
 // The avx512_bf16 engine: Q.K^T and P.V with vdpbf16ps on bf16 pairs (f32 accumulation),
-// micro-tiles of 8 keys x 32 rows and 8 rows x 32 columns; the softmax and row conversions are
-// the AVX-512 f32 ones. Layouts and blocking: bf16_dot_impl.hpp, shared with the emulated twin
+// micro-tiles of 8 keys x 32 rows and 8 rows x 32 columns; the softmax is the AVX-512 f32 one
+// writing P's bf16 pairs itself (softmax_tile_pairs, below), the row conversions are the AVX-512
+// f32 ones. Layouts and blocking: bf16_dot_impl.hpp, shared with the emulated twin
 // (kernels_bf16_emulated.cpp), which the tests run on every machine.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
+#include <numbers>
+#include <type_traits>
 
 #include "backends/flash/kernels.hpp"
 #include "dattn/dtype.hpp"
@@ -14,8 +18,8 @@
 #include <immintrin.h>
 
 #if defined(__clang__)
-#pragma clang attribute push(                                                      \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c"))), \
+#pragma clang attribute push(                                                               \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c"))), \
     apply_to = function)
 #else
 // GCC 12's AVX-512 headers trip its own uninitialized-value warnings (_mm512_undefined_*).
@@ -25,7 +29,7 @@
 // lives in this region and is internal to this file, so no call crosses the two ABIs.
 #pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,f16c")
 #endif
 
 namespace dattn::flash {
@@ -39,8 +43,22 @@ using Dot = Avx512Bf16Ops;
 
 #include "backends/flash/cpu/bf16_dot_impl.hpp"
 
+// The AVX-512 f32 softmax step (the avx512 engine's, the same bits) with P written as bf16 pairs
+// as Dot packs them. In a namespace of its own: tile_kernels_impl.hpp's qk and pv would meet
+// bf16_dot_impl.hpp's.
+namespace f32_softmax {
+#include "backends/flash/cpu/avx512_vec.hpp"
+struct SoftmaxVec : Vec {
+  static void store_bf16_pairs(std::uint32_t* p, reg even, reg odd) {
+    Dot::store_pairs16(p, even, odd);
+  }
+};
+#include "backends/flash/cpu/tile_kernels_impl.hpp"
+}  // namespace f32_softmax
+
 // Instantiated here, inside the target region; nothing of it runs before the engine is chosen.
-constexpr Bf16Functions kFunctions = bf16_dot_functions<Dot>();
+constexpr Bf16Functions kFunctions =
+    bf16_dot_functions<Dot, &f32_softmax::softmax_tile_pairs<f32_softmax::SoftmaxVec>>();
 
 }  // namespace avx512_bf16_impl
 }  // namespace dattn::flash

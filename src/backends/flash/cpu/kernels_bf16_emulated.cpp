@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "backends/flash/kernels.hpp"
 #include "dattn/dtype.hpp"

@@ -190,9 +190,12 @@ inline void softmax_blocks(const float* st, std::int64_t ldst, int keys, int row
   }
 }
 
-template <class V>
-void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
-                  float* alpha, void* /*ws*/) {
+// The softmax step over a tile with each key pair's probabilities handed to put(j, r, p_j,
+// p_j+1, odd) for the block of rows from r (odd false: key j is the tile's last, p_j+1 zero);
+// l sums them in the order softmax_tile's bits depend on.
+template <class V, class Put>
+inline void softmax_tile_to(const float* st, std::int64_t ldst, int keys, int rows_p, float* m,
+                            float* l, float* alpha, Put&& put) {
   using R = typename V::reg;
   softmax_blocks<V>(st, ldst, keys, rows_p, m, alpha, [&](int r, R, R m_use, const float* next) {
     ColumnMax<V> next_max;
@@ -200,26 +203,48 @@ void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, 
     int j = 0;
     // Two independent evaluations per step hide part of the polynomial's latency.
     for (; j + 2 <= keys; j += 2) {
-      float* s0 = st + j * ldst + r;
-      float* s1 = s0 + ldst;
+      const float* s0 = st + j * ldst + r;
       next_max.take(j, next + j * ldst);
       next_max.take(j + 1, next + (j + 1) * ldst);
       const R p0 = softmax_probability<V>(s0, m_use);
-      const R p1 = softmax_probability<V>(s1, m_use);
-      V::store(s0, p0);
-      V::store(s1, p1);
+      const R p1 = softmax_probability<V>(s0 + ldst, m_use);
+      put(j, r, p0, p1, true);
       sum0 = V::add(sum0, p0);
       sum1 = V::add(sum1, p1);
     }
     if (j < keys) {
-      float* s0 = st + j * ldst + r;
       next_max.take(j, next + j * ldst);
-      const R p0 = softmax_probability<V>(s0, m_use);
-      V::store(s0, p0);
+      const R p0 = softmax_probability<V>(st + j * ldst + r, m_use);
+      put(j, r, p0, V::zero(), false);
       sum0 = V::add(sum0, p0);
     }
     V::store(l + r, V::fma(V::load(l + r), V::load(alpha + r), V::add(sum0, sum1)));
     return next_max.get();
+  });
+}
+
+template <class V>
+void softmax_tile(float* st, std::int64_t ldst, int keys, int rows_p, float* m, float* l,
+                  float* alpha, void* /*ws*/) {
+  using R = typename V::reg;
+  softmax_tile_to<V>(st, ldst, keys, rows_p, m, l, alpha, [&](int j, int r, R p0, R p1, bool odd) {
+    V::store(st + j * ldst + r, p0);
+    if (odd) V::store(st + (j + 1) * ldst + r, p1);
+  });
+}
+
+// softmax_tile for the bf16 engines' P.V (bf16_dot_impl.hpp): the probabilities go straight to
+// bf16 pairs over keys instead of back into ST, which keeps the logits: pair row i holds keys 2i
+// (low half) and 2i + 1 (high half) of every row, row r's at pairs[i * ldp + r], each rounded to
+// nearest even (NaN stays NaN), a missing last odd key 0: the bits softmax_tile and then
+// bf16_pairs.hpp's pack_row_pairs_of_rows give, in one pass. m, l and alpha are softmax_tile's.
+// V also provides store_bf16_pairs(p, even, odd).
+template <class V>
+void softmax_tile_pairs(const float* st, std::int64_t ldst, int keys, int rows_p, float* m,
+                        float* l, float* alpha, std::uint32_t* pairs, std::int64_t ldp) {
+  using R = typename V::reg;
+  softmax_tile_to<V>(st, ldst, keys, rows_p, m, l, alpha, [&](int j, int r, R p0, R p1, bool) {
+    V::store_bf16_pairs(pairs + (j / 2) * ldp + r, p0, p1);
   });
 }
 
