@@ -92,21 +92,28 @@ struct ZeroedVectors {
   }
 };
 
-__attribute__((target("avx2,fma"))) void mix_fma(long iters) {
-  const ZeroedVectors zeroed;
-  for (long i = 0; i < iters; ++i)
-    __asm__ volatile(
-        ".rept 2\n\t"
-        "vfmadd231ps %%ymm12, %%ymm13, %%ymm0\n\t vfmadd231ps %%ymm12, %%ymm14, %%ymm1\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %%ymm2\n\t vfmadd231ps %%ymm12, %%ymm13, %%ymm3\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %%ymm4\n\t vfmadd231ps %%ymm12, %%ymm15, %%ymm5\n\t"
-        "vfmadd231ps %%ymm12, %%ymm13, %%ymm6\n\t vfmadd231ps %%ymm12, %%ymm14, %%ymm7\n\t"
-        "vfmadd231ps %%ymm12, %%ymm15, %%ymm8\n\t vfmadd231ps %%ymm12, %%ymm13, %%ymm9\n\t"
-        "vfmadd231ps %%ymm12, %%ymm14, %%ymm10\n\t vfmadd231ps %%ymm12, %%ymm15, %%ymm11\n\t"
-        ".endr" ::
-            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-              "xmm10", "xmm11");
-}
+// The f32 FMA mix in either register width R ("ymm", "zmm"): X broadcast against B0-B2 into 12
+// accumulators, twice.
+// clang-format off
+#define DATTN_CEIL_FMA(R, X, B, A) "vfmadd231ps %%" R X ", %%" R B ", %%" R A "\n\t"
+#define DATTN_CEIL_FMA_MIX(NAME, TARGET, ZEROED, R, X, B0, B1, B2)                                 \
+  __attribute__((target(TARGET))) void NAME(long iters) {                                          \
+    const ZEROED zeroed;                                                                           \
+    for (long i = 0; i < iters; ++i)                                                               \
+      __asm__ volatile(                                                                            \
+          ".rept 2\n\t"                                                                            \
+          DATTN_CEIL_FMA(R, X, B0, "0") DATTN_CEIL_FMA(R, X, B1, "1")                              \
+          DATTN_CEIL_FMA(R, X, B2, "2") DATTN_CEIL_FMA(R, X, B0, "3")                              \
+          DATTN_CEIL_FMA(R, X, B1, "4") DATTN_CEIL_FMA(R, X, B2, "5")                              \
+          DATTN_CEIL_FMA(R, X, B0, "6") DATTN_CEIL_FMA(R, X, B1, "7")                              \
+          DATTN_CEIL_FMA(R, X, B2, "8") DATTN_CEIL_FMA(R, X, B0, "9")                              \
+          DATTN_CEIL_FMA(R, X, B1, "10") DATTN_CEIL_FMA(R, X, B2, "11")                            \
+          ".endr" ::                                                                               \
+              : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",    \
+                "xmm10", "xmm11");                                                                 \
+  }
+// clang-format on
+DATTN_CEIL_FMA_MIX(mix_fma, "avx2,fma", ZeroedVectors, "ymm", "12", "13", "14", "15")
 
 // clang-format off
 #define DATTN_CEIL_SIGN(B, A0, A1)                                                                 \
@@ -197,8 +204,9 @@ struct ZeroedZmm {
   __attribute__((target("avx512f"))) ZeroedZmm() {
     __asm__ volatile(
         "vzeroall\n\t vpxord %%zmm16, %%zmm16, %%zmm16\n\t"
-        "vpxord %%zmm17, %%zmm17, %%zmm17\n\t vpxord %%zmm18, %%zmm18, %%zmm18" ::
-            : DATTN_ZMM_ACCUMULATORS, "xmm16", "xmm17", "xmm18");
+        "vpxord %%zmm17, %%zmm17, %%zmm17\n\t vpxord %%zmm18, %%zmm18, %%zmm18\n\t"
+        "vpxord %%zmm19, %%zmm19, %%zmm19" ::
+            : DATTN_ZMM_ACCUMULATORS, "xmm16", "xmm17", "xmm18", "xmm19");
   }
   __attribute__((target("avx512f"))) ~ZeroedZmm() {
     __asm__ volatile("vzeroupper" ::: DATTN_ZMM_ACCUMULATORS);
@@ -208,20 +216,9 @@ DATTN_CEIL_ZMM_MIX(mix_zmm_vnni_qk, "avx512f,avx512vnni", "vpdpbusd")
 DATTN_CEIL_ZMM_MIX(mix_zmm_pv16, "avx512f,avx512vnni", "vpdpwssd")
 DATTN_CEIL_ZMM_MIX(mix_zmm_bf16, "avx512f,avx512bf16", "vdpbf16ps")
 
-__attribute__((target("avx512f"))) void mix_zmm_fma(long iters) {
-  const ZeroedZmm zeroed;
-  for (long i = 0; i < iters; ++i)
-    __asm__ volatile(
-        ".rept 2\n\t"
-        "vfmadd231ps %%zmm16, %%zmm17, %%zmm0\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm1\n\t"
-        "vfmadd231ps %%zmm16, %%zmm17, %%zmm2\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm3\n\t"
-        "vfmadd231ps %%zmm16, %%zmm17, %%zmm4\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm5\n\t"
-        "vfmadd231ps %%zmm16, %%zmm17, %%zmm6\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm7\n\t"
-        "vfmadd231ps %%zmm16, %%zmm17, %%zmm8\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm9\n\t"
-        "vfmadd231ps %%zmm16, %%zmm17, %%zmm10\n\t vfmadd231ps %%zmm16, %%zmm18, %%zmm11\n\t"
-        ".endr" ::
-            : DATTN_ZMM_ACCUMULATORS);
-}
+DATTN_CEIL_FMA_MIX(mix_zmm_fma, "avx512f", ZeroedZmm, "zmm", "16", "17", "18", "19")
+#undef DATTN_CEIL_FMA
+#undef DATTN_CEIL_FMA_MIX
 #undef DATTN_CEIL_SIGN
 #undef DATTN_CEIL_MADD
 #undef DATTN_CEIL_VNNI
