@@ -14,12 +14,14 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "backends/flash/engines.hpp"
 #include "dattn/attention.hpp"
+#include "dattn/errors.hpp"
 #include "test_inputs.hpp"
 
 namespace dattn {
@@ -184,6 +186,22 @@ void report(const char* what, const std::string& engine, i64 d, const Accuracy& 
               static_cast<long long>(d), a.cosine, 100 * a.rel_l1);
 }
 
+// SAGE's layer for config c, or nothing where c's pv_dtype is one the engine lacks (bf16 P.V
+// needs AVX512-BF16 or AMX, or their twins).
+std::optional<Attention> layer_or_skip(const AttentionConfig& c) {
+  try {
+    return Attention(c);
+  } catch (const NotAvailable&) {
+    return std::nullopt;
+  }
+}
+
+// The mean relative L1 bound of SAGE with this pv_dtype (docs/semantics.md "P.V": int8 1.6%; bf16
+// 0.86-1.02% measured on N(0, 1); the others 1%).
+double rel_l1_bound(const std::string& pv) {
+  return pv == "int8" ? 0.016 : pv == "bf16" ? 0.0125 : 0.01;
+}
+
 // A 2-D key mask in cross-attention: whatever the masked keys hold in K and V, the rows' answers
 // are the same bits, within SAGE's bound against REFERENCE.
 TEST(SageInputs, MaskedKeysChangeNothing) {
@@ -193,28 +211,28 @@ TEST(SageInputs, MaskedKeysChangeNothing) {
   AttentionMetadata m;
   m.attn_mask = mask.view();
   for (const std::string& e : int8_engine_names())
-    for (const char* pv : {"auto", "f32", "int8", "int16"}) {
-      const bool pv8 = std::string(pv) == "int8";
+    for (const char* pv : {"auto", "f32", "int8", "int16", "bf16"}) {
       SCOPED_TRACE(e + " pv " + pv);
       const Tensor q = random_tensor({1, sq, h, d}, DType::F32, 1);
       Tensor k = random_tensor({1, skv, h, d}, DType::F32, 2),
              v = random_tensor({1, skv, h, d}, DType::F32, 3);
       AttentionConfig c = sage(h, h, d, e);
       c.backend_options["pv_dtype"] = std::string(pv);
-      const Attention layer(c);
+      const std::optional<Attention> layer = layer_or_skip(c);
+      if (!layer) continue;
       const ForwardResult want = reference(c, q, k, v, m);
       Tensor first;
       bool have = false;
       for (const float g : kGarbage) {
         for (i64 j = 0; j < skv; ++j)
           if (mask.data_as<std::uint8_t>()[j] == 0) fill_row(k, 0, j, g), fill_row(v, 0, j, -g);
-        const ForwardResult got = layer.forward(q.view(), k.view(), v.view(), m, true);
+        const ForwardResult got = layer->forward(q.view(), k.view(), v.view(), m, true);
         if (!have) {
           have = true;
           first = Tensor::copy_of(got.out.view(), DType::F32);
           const Accuracy a = accuracy(got.out, want.out);
           EXPECT_GE(a.cosine, 0.9995);
-          EXPECT_LE(a.rel_l1, pv8 ? 0.016 : 0.01);
+          EXPECT_LE(a.rel_l1, rel_l1_bound(pv));
         } else {
           EXPECT_TRUE(same_rows(got.out, first, [](i64, i64) { return true; })) << g;
         }
@@ -240,8 +258,7 @@ TEST(SageInputs, PaddedRowsChangeNothing) {
     for (i64 j = 0; j < s; ++j) square.data_as<std::uint8_t>()[i * s + j] = i < used && j < used;
   for (const int form : {2, 4, 1})
     for (const std::string& e : int8_engine_names())
-      for (const char* pv : {"auto", "int8"}) {
-        const bool pv8 = std::string(pv) == "int8";
+      for (const char* pv : {"auto", "int8", "bf16"}) {
         SCOPED_TRACE(e + " pv " + pv + (form == 2 ? " 2-D" : form == 4 ? " 4-D" : " [1, 1, 1, S]"));
         AttentionMetadata m;
         m.attn_mask = form == 2 ? mask2.view() : form == 4 ? square.view() : keys_only;
@@ -250,7 +267,8 @@ TEST(SageInputs, PaddedRowsChangeNothing) {
                v = random_tensor({1, s, h, d}, DType::F32, 6);
         AttentionConfig c = sage(h, h, d, e);
         c.backend_options["pv_dtype"] = std::string(pv);
-        const Attention layer(c);
+        const std::optional<Attention> layer = layer_or_skip(c);
+        if (!layer) continue;
         const ForwardResult want = reference(c, q, k, v, m);
         const auto real = [&](i64, i64 i) { return i < used; };
         Tensor first;
@@ -261,13 +279,13 @@ TEST(SageInputs, PaddedRowsChangeNothing) {
             fill_row(k, 0, i, g);
             fill_row(v, 0, i, g);
           }
-          const ForwardResult got = layer.forward(q.view(), k.view(), v.view(), m, true);
+          const ForwardResult got = layer->forward(q.view(), k.view(), v.view(), m, true);
           if (!have) {
             have = true;
             first = Tensor::copy_of(got.out.view(), DType::F32);
             const Accuracy a = accuracy(got.out, want.out, real);
             EXPECT_GE(a.cosine, 0.9995);
-            EXPECT_LE(a.rel_l1, pv8 ? 0.016 : 0.01);
+            EXPECT_LE(a.rel_l1, rel_l1_bound(pv));
           } else {
             EXPECT_TRUE(same_rows(got.out, first, real)) << g;
           }
@@ -287,8 +305,7 @@ TEST(SageInputs, PaddedJointTextChangesNothing) {
   Tensor jmask = Tensor::empty({1, j}, DType::Bool);
   for (i64 t = 0; t < j; ++t) jmask.data_as<std::uint8_t>()[t] = t < used;
   for (const std::string& e : int8_engine_names())
-    for (const char* pv : {"auto", "int8"}) {
-      const bool pv8 = std::string(pv) == "int8";
+    for (const char* pv : {"auto", "int8", "bf16"}) {
       SCOPED_TRACE(e + " pv " + pv);
       const Tensor q = random_tensor({1, s, h, d}, DType::F32, 7),
                    k = random_tensor({1, s, h, d}, DType::F32, 8),
@@ -303,7 +320,8 @@ TEST(SageInputs, PaddedJointTextChangesNothing) {
       m.joint_attn_mask = jmask.view();
       AttentionConfig c = sage(h, h, d, e);
       c.backend_options["pv_dtype"] = std::string(pv);
-      const Attention layer(c);
+      const std::optional<Attention> layer = layer_or_skip(c);
+      if (!layer) continue;
       const ForwardResult want = reference(c, q, k, v, m);
       const auto kept = [&](i64, i64 i) { return i >= j || i < used; };
       Tensor first;
@@ -314,13 +332,13 @@ TEST(SageInputs, PaddedJointTextChangesNothing) {
           fill_row(jk, 0, t, g);
           fill_row(jv, 0, t, g);
         }
-        const ForwardResult got = layer.forward(q.view(), k.view(), v.view(), m, true);
+        const ForwardResult got = layer->forward(q.view(), k.view(), v.view(), m, true);
         if (!have) {
           have = true;
           first = Tensor::copy_of(got.out.view(), DType::F32);
           const Accuracy a = accuracy(got.out, want.out, kept);
           EXPECT_GE(a.cosine, 0.9995);
-          EXPECT_LE(a.rel_l1, pv8 ? 0.016 : 0.01);
+          EXPECT_LE(a.rel_l1, rel_l1_bound(pv));
         } else {
           EXPECT_TRUE(same_rows(got.out, first, kept)) << g;
         }
