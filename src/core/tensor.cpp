@@ -293,8 +293,15 @@ TensorView from_dlpack(const DLTensor& t) {
   if (t.ndim < 0 || t.ndim > TensorView::kMaxDims)
     throw InvalidArgument("dlpack.ndim", "ndim = " + std::to_string(t.ndim) + "; valid: 0.." +
                                              std::to_string(TensorView::kMaxDims));
+  if (t.ndim > 0 && t.shape == nullptr)
+    throw InvalidArgument("dlpack.shape", "shape is NULL with ndim = " + std::to_string(t.ndim) +
+                                              "; a DLTensor of rank > 0 needs its shape (strides "
+                                              "may be NULL: compact)");
+  if (t.data == nullptr && t.byte_offset != 0)
+    throw InvalidArgument("dlpack.byte_offset", "byte_offset = " + std::to_string(t.byte_offset) +
+                                                    " with NULL data; valid: 0");
   std::span<const std::int64_t> shape(t.shape, std::size_t(t.ndim));
-  void* data = static_cast<std::byte*>(t.data) + t.byte_offset;
+  void* data = t.data == nullptr ? nullptr : static_cast<std::byte*>(t.data) + t.byte_offset;
   if (t.strides == nullptr) return TensorView(data, dt, shape, p);
   return TensorView(data, dt, shape, std::span<const std::int64_t>(t.strides, std::size_t(t.ndim)),
                     p);

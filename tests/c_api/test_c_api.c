@@ -211,6 +211,74 @@ int main(void) {
     CHECK(strcmp(dattn_last_error_field(), "layer") == 0);
     for (n = 0; n < sizeof out / sizeof *out; ++n) CHECK(out[n] == 42.0f);
   }
+
+  /* A DLTensor with real data and ndim > 0 but a NULL shape, in every place a tensor goes: a
+   * code naming the tensor (the conversion must not read the shape), nothing written. */
+  {
+    DLTensor noshape[5];
+    const char* names[5] = {"query", "key", "value", "out", "lse"};
+    DLTensor *args[5], *good[5] = {&tq, &tk, &tv, &to, &tl};
+    static unsigned char mask_bytes[B * SKV];
+    static int32_t cu[3] = {0, SQ, SQ};
+    DLTensor tm, tc;
+    dattn_call call;
+    int a, c;
+    for (a = 0; a < 5; ++a) {
+      for (c = 0; c < 5; ++c) args[c] = good[c];
+      noshape[a] = *good[a];
+      noshape[a].shape = NULL;
+      args[a] = &noshape[a];
+      for (n = 0; n < sizeof out / sizeof *out; ++n) out[n] = 42.0f;
+      for (n = 0; n < sizeof lse / sizeof *lse; ++n) lse[n] = 42.0f;
+      CHECK(dattn_forward(layer, args[0], args[1], args[2], NULL, args[3], args[4]) ==
+            DATTN_INVALID_ARGUMENT);
+      CHECK(strcmp(dattn_last_error_field(), names[a]) == 0);
+      CHECK(strstr(dattn_last_error(), "shape") != NULL);
+      for (n = 0; n < sizeof out / sizeof *out; ++n) CHECK(out[n] == 42.0f);
+      for (n = 0; n < sizeof lse / sizeof *lse; ++n) CHECK(lse[n] == 42.0f);
+    }
+    memset(&tm, 0, sizeof tm);
+    tm.data = mask_bytes;
+    tm.device.device_type = kDLCPU;
+    tm.ndim = 2;
+    tm.dtype.code = DATTN_DL_BOOL;
+    tm.dtype.bits = 8;
+    tm.dtype.lanes = 1;
+    tm.shape = NULL;
+    memset(&tc, 0, sizeof tc);
+    tc.data = cu;
+    tc.device.device_type = kDLCPU;
+    tc.ndim = 1;
+    tc.dtype.code = kDLInt;
+    tc.dtype.bits = 32;
+    tc.dtype.lanes = 1;
+    tc.shape = NULL;
+    for (n = 0; n < sizeof out / sizeof *out; ++n) out[n] = 42.0f;
+    dattn_call_init(&call);
+    call.attn_mask = &tm;
+    CHECK(dattn_forward(layer, &tq, &tk, &tv, &call, &to, NULL) == DATTN_INVALID_ARGUMENT);
+    CHECK(strcmp(dattn_last_error_field(), "attn_mask") == 0);
+    dattn_call_init(&call);
+    call.cu_seqlens_q = &tc;
+    call.cu_seqlens_k = &tc;
+    CHECK(dattn_forward(layer, &tq, &tk, &tv, &call, &to, NULL) == DATTN_INVALID_ARGUMENT);
+    CHECK(strcmp(dattn_last_error_field(), "cu_seqlens_q") == 0);
+    dattn_call_init(&call);
+    noshape[0] = tq;
+    noshape[0].shape = NULL;
+    call.joint_query = &noshape[0];
+    call.joint_key = &tk;
+    call.joint_value = &tv;
+    CHECK(dattn_forward(layer, &tq, &tk, &tv, &call, &to, NULL) == DATTN_INVALID_ARGUMENT);
+    CHECK(strcmp(dattn_last_error_field(), "joint_query") == 0);
+    /* NULL data with a non-zero byte_offset is no tensor either. */
+    noshape[0] = tq;
+    noshape[0].data = NULL;
+    noshape[0].byte_offset = 64;
+    CHECK(dattn_forward(layer, &noshape[0], &tk, &tv, NULL, &to, NULL) == DATTN_INVALID_ARGUMENT);
+    CHECK(strcmp(dattn_last_error_field(), "query") == 0);
+    for (n = 0; n < sizeof out / sizeof *out; ++n) CHECK(out[n] == 42.0f);
+  }
   dattn_layer_destroy(layer);
   dattn_layer_destroy(NULL);
 
