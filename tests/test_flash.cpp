@@ -296,9 +296,9 @@ TEST(Flash, AnAdditiveMinusInfHidesWhateverTheLogitHolds) {
 
 TEST(Flash, KeysADenseMaskHidesFromEveryRowAreHarmless) {
   // An additive (-inf) or bool 4-D mask that hides some keys from every row of every query head
-  // of their KV head (ggml's key padding, a padded text tail): those keys are packed as zeros,
-  // so NaN or inf in their K or V moves no row; keys hidden from some rows only may still reach
-  // the rows that hide them (docs/semantics.md, "Finite masks and non-finite inputs").
+  // of their KV head (ggml's key padding, a padded text tail): NaN or inf in their K or V moves
+  // no row (docs/semantics.md, "Finite masks and non-finite inputs"; keys hidden from some rows
+  // only: FlashEngine.NonFiniteValuesReachOnlyTheRowsThatSeeThem).
   const i64 B = 2, S = 131, Hq = 4, Hkv = 2, D = 48;
   auto q = random_tensor({B, S, Hq, D}, DType::F32, 31),
        k = random_tensor({B, S, Hkv, D}, DType::F32, 32),
@@ -891,6 +891,108 @@ TEST_P(FlashEngine, MatchesReference) {
       for (i64 n = 0; n < got.out.numel(); ++n)
         ASSERT_FALSE(std::isnan(load_as_f32(got.out.data(), got.out.dtype(), n))) << what;
     }
+}
+
+// A NaN or inf in the V row of a key reaches only the rows that see that key (docs/semantics.md,
+// "Finite masks and non-finite inputs"): those rows are NaN with LSE NaN, as REFERENCE gives,
+// and every row the key is hidden from (causal, a 4-D mask hiding it from some rows only, keys
+// past valid_kv_length) keeps the bits it has with clean values, on every engine (SAGE's under
+// SAGE), over several tiles, a short last tile and split-KV. 0 x NaN would have made them NaN.
+TEST_P(FlashEngine, NonFiniteValuesReachOnlyTheRowsThatSeeThem) {
+  const EngineInfo info = [&] {
+    for (const EngineInfo& e : flash_engines())
+      if (e.name == GetParam()) return e;
+    return EngineInfo{};
+  }();
+  ASSERT_EQ(info.name, GetParam());
+  if (info.unavailable_reason) GTEST_SKIP() << info.name << ": " << *info.unavailable_reason;
+  const bool bf16_engine = info.compute_dtype == "bf16";
+  const bool int8_engine = info.compute_dtype == "int8";
+  const DType dt = bf16_engine ? DType::BF16 : DType::F32;
+  struct Case {
+    i64 sq, skv;
+    bool causal;
+    std::vector<i64> bad;  // keys whose V row (of KV head 0) gets garbage
+  };
+  // 150 x 150 causal: key 40 is seen by rows 40.., 70 by rows 70.. that the mask lets see it,
+  // 149 by the last row only; 5 x 700 (split-KV): key 300 is hidden from rows 0-2 by the mask.
+  for (const Case& cs : {Case{150, 150, true, {40, 70, 149}}, Case{5, 700, false, {300, 699}}}) {
+    const i64 H = 2, Hkv = 1, D = 40;
+    auto q = random_tensor({1, cs.sq, H, D}, dt, 901),
+         k = random_tensor({1, cs.skv, Hkv, D}, dt, 902),
+         v = random_tensor({1, cs.skv, Hkv, D}, dt, 903);
+    // Additive: -inf hides key 70 from rows 100-119 of head 1, key 300 from rows 0-2 of both
+    // heads, every 7th key from rows i % 3 == 0; the rest a bias.
+    Tensor mask = Tensor::empty({1, H, cs.sq, cs.skv}, DType::F32);
+    const auto hidden = [&](i64 h, i64 i, i64 j) {
+      return (j == 70 && h == 1 && i >= 100 && i < 120) || (j == 300 && i < 3) ||
+             (j % 7 == 0 && i % 3 == 0);
+    };
+    for (i64 h = 0; h < H; ++h)
+      for (i64 i = 0; i < cs.sq; ++i)
+        for (i64 j = 0; j < cs.skv; ++j)
+          mask.data_as<float>()[(h * cs.sq + i) * cs.skv + j] =
+              hidden(h, i, j) ? -INFINITY : 0.1f * float((i + 2 * j) % 5);
+    const i64 valid = cs.causal ? cs.skv : cs.skv - 1;  // without causal the last key is cut
+    const auto sees = [&](i64 h, i64 i, i64 j) {
+      const i64 pos = cs.skv - cs.sq + i;
+      return !(cs.causal && j > pos) && !hidden(h, i, j) && j < valid;
+    };
+    AttentionMetadata m;
+    m.attn_mask = mask.view();
+    if (!cs.causal) m.extra.valid_kv_length = valid;
+    AttentionConfig c = flash_config(H, Hkv, D, cs.causal);
+    c.backend_options["isa"] = info.name;
+    if (int8_engine) c.backend = "SAGE";
+    // SAGE's V codes share scales per tile, so its rows keep the bits they have with zeros in
+    // the poisoned V rows (whatever those held, no other key's code moves); FLASH's keep those
+    // of the clean values too (a probability of 0 adds nothing).
+    Tensor zeroed = Tensor::copy_of(v.view(), dt);
+    for (const i64 j : cs.bad)
+      for (i64 e = 0; e < D; ++e) store_from_f32(zeroed.data(), dt, j * D + e, 0.0f);
+    const auto clean = Attention(c).forward(q, k, int8_engine ? zeroed : v, m, true);
+    for (const float garbage : {NAN, INFINITY, -INFINITY}) {
+      const std::string what = info.name + " " + std::to_string(cs.sq) + "x" +
+                               std::to_string(cs.skv) + " " + std::to_string(garbage);
+      Tensor v2 = Tensor::copy_of(v.view(), dt);
+      for (const i64 j : cs.bad)
+        for (i64 e = 0; e < D; e += 3) store_from_f32(v2.data(), dt, j * D + e, garbage);
+      const auto got = Attention(c).forward(q, k, v2, m, true);
+      AttentionConfig rc = c;
+      rc.backend = "REFERENCE";
+      rc.backend_options.clear();
+      const auto want = Attention(rc).forward(q, k, v2, m, true);
+      const std::size_t es = dtype_size(dt);
+      for (i64 h = 0; h < H; ++h)
+        for (i64 i = 0; i < cs.sq; ++i) {
+          bool poisoned = false;
+          for (const i64 j : cs.bad) poisoned = poisoned || sees(h, i, j);
+          const i64 row = (i * H + h) * D;
+          const float lse = got.lse->data_as<float>()[h * cs.sq + i];
+          if (poisoned) {
+            EXPECT_TRUE(std::isnan(lse)) << what << " h" << h << " row " << i;
+            EXPECT_TRUE(std::isnan(want.lse->data_as<float>()[h * cs.sq + i])) << what;
+            for (i64 e = 0; e < D; ++e)
+              ASSERT_TRUE(std::isnan(load_as_f32(got.out.data(), dt, row + e)))
+                  << what << " h" << h << " row " << i << " col " << e;
+          } else {
+            ASSERT_EQ(std::memcmp(static_cast<const char*>(got.out.data()) + row * es,
+                                  static_cast<const char*>(clean.out.data()) + row * es, D * es),
+                      0)
+                << what << " h" << h << " row " << i;
+            EXPECT_EQ(lse, clean.lse->data_as<float>()[h * cs.sq + i]) << what;
+            for (i64 e = 0; e < D; ++e) {
+              const float x = load_as_f32(got.out.data(), dt, row + e),
+                          y = load_as_f32(want.out.data(), dt, row + e);
+              ASSERT_LE(std::fabs(x - y), int8_engine   ? 0.1f
+                                          : bf16_engine ? 0.05f
+                                                        : 1e-5f)
+                  << what << " h" << h << " row " << i << " col " << e;
+            }
+          }
+        }
+    }
+  }
 }
 
 // softmax_rows_pairs against softmax_rows of the same engine: the same m, l and alpha (up to the

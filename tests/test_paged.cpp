@@ -213,6 +213,67 @@ TEST(Paged, HalfPrecisionPagesWithGqaMatchReference) {
     }
 }
 
+// A NaN or inf in the new V of one token reaches only the rows that see it (causal: the rows
+// at or after its position; docs/semantics.md, "Finite masks and non-finite inputs"): they are
+// NaN with LSE NaN, the earlier rows keep the bits they have with clean values.
+TEST(Paged, NonFiniteNewValuesReachOnlyTheRowsThatSeeThem) {
+  const i64 hq = 4, hkv = 2, d = 48, bs = 16, blocks = 16, len = 200, fresh = 120, bad = 50;
+  for (const DType dtype : {DType::F32, DType::BF16})
+    for (const float garbage : {NAN, INFINITY}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + std::to_string(garbage));
+      const Tensor pool_k = random_tensor({blocks, bs, hkv, d}, dtype, 11);
+      const Tensor pool_v = random_tensor({blocks, bs, hkv, d}, dtype, 12);
+      PagedRow r{fresh, len, len - fresh, {}};
+      for (i64 pg = 0; pg < (len + bs - 1) / bs; ++pg)
+        r.block_table.push_back(std::int32_t(blocks - 1 - pg));
+      const Tensor q = random_tensor({fresh, hq, d}, dtype, 13);
+      const Tensor kn = random_tensor({fresh, hkv, d}, dtype, 14);
+      const Tensor vn = random_tensor({fresh, hkv, d}, dtype, 15);
+      Tensor vn_bad = Tensor::copy_of(vn.view());
+      for (i64 e = 0; e < d; e += 5)
+        store_from_f32(vn_bad.data(), dtype, bad * hkv * d + e, garbage);
+      const auto run = [&](const std::string& backend, const Tensor& v_new) {
+        Tensor pk = Tensor::copy_of(pool_k.view()), pv = Tensor::copy_of(pool_v.view());
+        Tensor out = Tensor::zeros({fresh, hq, d}, dtype);
+        Tensor lse = Tensor::zeros({hq, fresh}, DType::F32);
+        PagedAttentionCall call;
+        call.q = q.view(), call.k_new = kn.view(), call.v_new = v_new.view();
+        call.out = out.view(), call.lse = lse.view();
+        call.cache = {pk.view(), pv.view()};
+        call.rows = {r};
+        call.causal = true;
+        call.softmax_scale = 1.0 / std::sqrt(double(d));
+        Attention(testing::layer_config(backend, hq, hkv, d, true)).forward_paged(call);
+        return std::pair{out, lse};
+      };
+      for (const std::string& backend : paged_backends()) {
+        SCOPED_TRACE(backend);
+        const auto clean = run(backend, vn);
+        const auto got = run(backend, vn_bad);
+        const std::size_t es = dtype_size(dtype);
+        for (i64 t = 0; t < fresh; ++t)
+          for (i64 h = 0; h < hq; ++h) {
+            const float lse = got.second.data_as<float>()[h * fresh + t];
+            const i64 row = (t * hq + h) * d;
+            // Rows of KV head 0's query heads at or after the token see it (the garbage sits
+            // in KV head 0 only).
+            if (t >= bad && h / (hq / hkv) == 0) {
+              EXPECT_TRUE(std::isnan(lse)) << t << " " << h;
+              for (i64 e = 0; e < d; ++e)
+                ASSERT_TRUE(std::isnan(load_as_f32(got.first.data(), dtype, row + e))) << t;
+            } else {
+              ASSERT_EQ(
+                  std::memcmp(static_cast<const char*>(got.first.data()) + row * es,
+                              static_cast<const char*>(clean.first.data()) + row * es, d * es),
+                  0)
+                  << t << " " << h;
+              EXPECT_EQ(lse, clean.second.data_as<float>()[h * fresh + t]);
+            }
+          }
+      }
+    }
+}
+
 TEST(Paged, InvalidCallsRaiseAndLeaveThePoolUntouched) {
   const i64 hkv = 1, d = 4, bs = 4, blocks = 4;
   MultiLayerCache cache = make_cache(false, 1, 0, blocks, bs, hkv, d);

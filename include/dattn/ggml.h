@@ -17,8 +17,9 @@
  *                         (broadcast over heads and batch); added to the scaled logits
  *     result F32          [Dv, H, L_q, N]       (permuted, contiguous)
  *   q, k and v may be views (any row, head and batch strides; elements of a row contiguous).
- *   A row whose keys are all masked (-inf) outputs zeros, as ggml's does; masked keys (-inf)
- *   never reach any output, whatever K and V hold there (NaN included).
+ *   A row whose keys are all masked (-inf) outputs zeros, as ggml's does; a key masked (-inf)
+ *   from a row never reaches that row, whatever K and V hold there (NaN and inf included),
+ *   also where other rows see it; a row that sees a NaN or inf in a V row is all NaN.
  * - Inputs are checked when the node is built: on bad input (a type, a shape, a broadcast,
  *   max_bias or logit_softcap other than 0, a backend option) the function returns NULL, adds
  *   nothing to the context and sets dattn_last_error() / dattn_last_error_field().

@@ -174,9 +174,15 @@ class FlashPlan final : public Plan {
   std::vector<PanelGroup> groups;
   std::vector<std::pair<std::size_t, i64>> panel_tiles;  // (group, tile) in wave order
   std::vector<Wave> waves;
-  std::size_t panel_buffer_bytes = 0;  // the largest wave's
+  std::size_t panel_buffer_bytes = 0;  // the largest wave's, with its tiles' non-finite V keys
+  // After a wave's tiles in its buffer: per tile slot (a group's slot t at group.offset /
+  // tile_bytes() + t), the keys whose V row held a NaN or inf (zero_nonfinite_rows), as bits.
+  std::size_t nonfinite_offset = 0;
 
   std::size_t tile_bytes() const { return k_tile_bytes + v_tile_bytes; }
+  std::size_t slot_of(const PanelGroup& group, i64 tile) const {
+    return group.offset / tile_bytes() + std::size_t(tile);
+  }
   std::size_t wave_bytes(const Wave& w) const {
     return std::size_t(w.tile_end - w.tile_begin) * tile_bytes();
   }
@@ -241,14 +247,13 @@ class Worker {
       auto* v = reinterpret_cast<float*>(at + plan_.k_tile_bytes);
       convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, k, plan_.ld_k, ahead);
       convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, v, plan_.ld_v, ahead);
-      zero_masked_keys(g, j0, n, k, v);
+      nonfinite_v(group, tile) = zero_nonfinite_rows(v, plan_.ld_v, n, p_.dv);
       return;
     }
     ScratchLayout layout(thread.scratch());
     const Scratch s = Scratch::carve(layout, plan_.shape, plan_.ld_k, plan_.ld_v, nullptr);
     convert_rows(false, group.segment, seg.batch, group.hk, j0, n, d, s.k, plan_.ld_k, ahead);
     convert_rows(true, group.segment, seg.batch, group.hk, j0, n, p_.dv, s.v, plan_.ld_v, ahead);
-    zero_masked_keys(g, j0, n, s.k, s.v);
     if (stats_ != nullptr && !(*stats_)[g].seen.empty()) {  // keys no query sees: zeros
       const char* seen = (*stats_)[g].seen.data() + (j0 - seg.k_begin);
       for (i64 jj = 0; jj < n; ++jj) {
@@ -257,6 +262,8 @@ class Worker {
         std::fill(s.v + jj * plan_.ld_v, s.v + (jj + 1) * plan_.ld_v, 0.0f);
       }
     }
+    // Before the V tile's codes and scales (SAGE) see the row.
+    nonfinite_v(group, tile) = zero_nonfinite_rows(s.v, plan_.ld_v, n, p_.dv);
     const std::optional<Smoothing> sm = smoothing_of(g);
     const int split = split_of(g, tile);
     if (split >= 0) {  // the second copy first, from rows not yet smoothed
@@ -272,43 +279,11 @@ class Worker {
                   sm ? &*sm : nullptr, sm ? sm->run_of(tile) : 0, qscale_, at);
   }
 
-  // Keys the mask hides from every row that could see them are packed as zeros: a key-padding
-  // mask's masked keys, and keys a dense or additive mask hides (false, -inf) from every row of
-  // the segment and every query head of the KV head. No row looks at them, and 0 x NaN would
-  // otherwise carry a NaN or inf they hold into the P.V of the rows that hide them
-  // (docs/semantics.md, "Finite masks and non-finite inputs"). A visible key usually shows on
-  // the first row, so the scan costs little but for hidden keys. (SAGE's packing already zeroes
-  // them, with every other key no computed row sees.)
-  void zero_masked_keys(std::size_t g, i64 j0, i64 n, float* k, float* v) const {
-    const MaskView& mask = p_.mask;
-    if (mask.kind == MaskKind::none || stats_ != nullptr) return;
-    const PanelGroup& group = plan_.groups[g];
-    const Segment& seg = p_.segments[group.segment];
-    const i64 b = seg.batch;
-    const TensorView& m = mask.view;
-    const i64 heads = p_.group_size(), h0 = group.hk * heads;
-    const i64 head_count = mask.kind == MaskKind::keep_keys || m.stride(1) == 0 ? 1 : heads;
-    const i64 row_count = mask.kind == MaskKind::keep_keys || m.stride(2) == 0
-                              ? std::min<i64>(1, seg.q_end - seg.q_begin)
-                              : seg.q_end - seg.q_begin;
-    for (i64 jj = 0; jj < n; ++jj) {
-      bool hidden = true;
-      if (mask.kind == MaskKind::keep_keys) {
-        hidden = !mask.keeps_key(b, j0 + jj);
-      } else {
-        for (i64 h = h0; hidden && h < h0 + head_count; ++h)
-          for (i64 i = seg.q_begin; hidden && i < seg.q_begin + row_count; ++i) {
-            const i64 at =
-                b * m.stride(0) + h * m.stride(1) + i * m.stride(2) + (j0 + jj) * m.stride(3);
-            hidden = mask.kind == MaskKind::keep_dense
-                         ? static_cast<const std::uint8_t*>(m.data())[at] == 0
-                         : load_as_f32(m.data(), m.dtype(), at) == kNegInf;
-          }
-      }
-      if (!hidden) continue;
-      std::fill(k + jj * plan_.ld_k, k + (jj + 1) * plan_.ld_k, 0.0f);
-      std::fill(v + jj * plan_.ld_v, v + (jj + 1) * plan_.ld_v, 0.0f);
-    }
+  // Tile `tile` of `group`'s keys whose V row held a NaN or inf (pack_tile; item_driver.hpp,
+  // zero_nonfinite_rows): the hook makes the logits of them that a row sees NaN.
+  std::uint64_t& nonfinite_v(const PanelGroup& group, i64 tile) const {
+    auto* keys = reinterpret_cast<std::uint64_t*>(panel_ + plan_.nonfinite_offset);
+    return keys[plan_.slot_of(group, tile)];
   }
 
   // Which of panel group g's split tiles `tile` is (its spare slot), or -1.
@@ -520,10 +495,12 @@ class Worker {
             wk.panel_ + t.group.offset +
             std::size_t((t.j0 - seg.k_begin) / kBlockKeys) * plan.tile_bytes();
         // No software prefetch of the next tile (kernels.hpp, attend_tile_by_tile).
+        const i64 index = (t.j0 - seg.k_begin) / kBlockKeys;
         KeyTile& tile = t.ring[std::size_t(n % wk.kk_.loop.panel_tiles)];
         tile = {at, at + plan.k_tile_bytes, int(keys),
-                t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none, t.j0};
-        const i64 index = (t.j0 - seg.k_begin) / kBlockKeys;
+                t.j0 + keys > t.kmin || wk.p_.mask.kind != MaskKind::none ||
+                    wk.nonfinite_v(t.group, index) != 0,
+                t.j0};
         if (const int split = wk.split_of(t.w.group, index); split >= 0) {
           // Two copies, each hiding the other's keys (item_driver.hpp, Smoothing).
           const std::uint64_t part =
@@ -548,6 +525,8 @@ class Worker {
           for (i64 r = 0; r < rows; ++r) st[r * row_stride + jj * key_stride] = kNegInf;
       t.worker.hide(t.w, t.s, t.b, tile.j0, tile.keys, rows, tile.j0 + tile.keys > t.kmin, st,
                     row_stride, key_stride);
+      const i64 index = (tile.j0 - t.worker.p_.segments[t.w.segment].k_begin) / kBlockKeys;
+      poison_visible(t.worker.nonfinite_v(t.group, index), st, rows, row_stride, key_stride);
     }
   };
 
@@ -856,9 +835,11 @@ class FlashImpl final : public Impl {
       while (item < plan.items.size() && plan.items[item].group < g) ++item;
       w.item_end = i64(item);
       w.tile_end = i64(plan.panel_tiles.size());
-      plan.panel_buffer_bytes = std::max(plan.panel_buffer_bytes, bytes);
+      plan.nonfinite_offset = std::max(plan.nonfinite_offset, bytes);
       plan.waves.push_back(w);
     }
+    plan.panel_buffer_bytes =
+        plan.nonfinite_offset + plan.nonfinite_offset / plan.tile_bytes() * sizeof(std::uint64_t);
   }
 
   // docs/semantics.md, "Paged KV": writes the rows' new K/V into their slots, then runs the same

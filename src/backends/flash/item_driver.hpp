@@ -14,9 +14,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -470,6 +472,49 @@ inline void pack_key_tile(const TileKernels& kk, float* k, std::int64_t ld_k, co
   if (smoothing != nullptr && kk.formats.set_key_bias != nullptr)
     kk.formats.set_key_bias(at, bias, int(n), run);
   kk.formats.pack_v(v, ld_v, int(n), int(dv_padded), at + k_tile_bytes);
+}
+
+// Non-finite V rows (docs/semantics.md, "Finite masks and non-finite inputs"): a key whose V row
+// holds a NaN or an inf is packed with that row as zeros, and the logits hook makes every logit
+// of it that a row can see NaN. The rows that attend it come out NaN (the row rule: NaN with LSE
+// NaN), as they would with the value packed; the rows it is hidden from, whose probability for
+// it is 0, stay exact, where 0 x NaN would have made them NaN too. Finding the rows costs a scan
+// of the staged rows, which packing has just written (in cache); only tiles that hold one take
+// the hook.
+
+// The rows among n staged f32 rows v [n][ld] (`width` elements each) that hold a NaN or an inf,
+// as bits (bit jj: row jj), each of them set to zeros.
+inline std::uint64_t zero_nonfinite_rows(float* v, std::int64_t ld, std::int64_t n,
+                                         std::int64_t width) {
+  std::uint64_t rows = 0;
+  for (std::int64_t jj = 0; jj < n; ++jj) {
+    float* row = v + jj * ld;
+    // A float is NaN or inf when its exponent bits are all ones: |bits| > the largest finite.
+    std::int32_t worst = 0;
+    for (std::int64_t e = 0; e < width; ++e) {
+      std::int32_t bits;
+      std::memcpy(&bits, row + e, sizeof bits);
+      worst = std::max(worst, bits & 0x7fffffff);
+    }
+    if (worst <= 0x7f7fffff) continue;
+    rows |= std::uint64_t(1) << jj;
+    std::fill(row, row + width, 0.0f);
+  }
+  return rows;
+}
+
+// The hook's part for such keys: every logit of a key in `keys` (bit jj) that a row can see (not
+// -inf: call it after the hook has hidden what it hides) becomes NaN, on the engine's layout
+// st[r * rs + jj * ks].
+inline void poison_visible(std::uint64_t keys, float* st, std::int64_t rows, std::int64_t rs,
+                           std::int64_t ks) {
+  for (; keys != 0; keys &= keys - 1) {
+    const int jj = std::countr_zero(keys);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float& x = st[r * rs + jj * ks];
+      if (x != -std::numeric_limits<float>::infinity()) x = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
 }
 
 // One thread of a driver's parallel region: its scratch and its view of the region's fault.
