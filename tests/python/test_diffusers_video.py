@@ -408,6 +408,43 @@ def test_calls_video_sparse_cannot_serve_raise_instead_of_falling_back():
         assert e.value.field == "hidden_states"
 
 
+def _steps_of(stats):
+    return [(s["step"], [(c["layer"], c["branch"], c["mode"], c["reused"]) for c in s["calls"]])
+            for s in stats]
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_compiled_model_is_served_with_its_steps_counted(fullgraph):
+    """torch.compile of an enabled video model, with and without fullgraph: the grid calls are
+    dattn::video_grid_attention in the graph, whose run-time body counts steps, CFG branches
+    and layers as the eager handle does (dense steps and layers, refresh and reuse), and the
+    outputs are the eager handle's."""
+    model, inputs, _, _ = wan()
+    uncond = _randn(1, 12, 32, seed=21)
+    kwargs = {"sparsity": 0.75, "tile": "1,2,2", "dense_steps": 1, "dense_layers": 1,
+              "refresh_steps": 2}
+    plan = [(900, None), (900, uncond), (800, None), (800, uncond), (700, None), (600, None)]
+
+    def generate(m):
+        outs = []
+        for t, text in plan:
+            extra = {} if text is None else {"encoder_hidden_states": text}
+            outs.append(_forward(m, inputs, timestep=torch.tensor([t]), **extra))
+        return outs
+
+    with dd.enable(model, backend="VIDEO_SPARSE", backend_kwargs=kwargs) as h:
+        want, want_steps = generate(model), _steps_of(h.stats())
+    torch._dynamo.reset()
+    with dd.enable(model, backend="VIDEO_SPARSE", backend_kwargs=kwargs) as h:
+        compiled = torch.compile(model, fullgraph=fullgraph)
+        got, got_steps = generate(compiled), _steps_of(h.stats())
+    torch._dynamo.reset()
+    assert got_steps == want_steps
+    assert [m for _, calls in got_steps for _, _, m, _ in calls].count("sparse") == 4
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_disable_restores_the_model_exactly():
     model, inputs, _, _ = wan()
     before = _forward(model, inputs)

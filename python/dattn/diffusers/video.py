@@ -27,8 +27,10 @@ same step's CFG branches in call order (branch 0, 1, ...); a timestep that rises
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -207,6 +209,15 @@ class VideoSparsity:
         self._layers: "OrderedDict[tuple, Any]" = OrderedDict()
         self._lock = threading.RLock()
         self._local = threading.local()
+        # Under torch.compile: what the pre-hook saw while the forward was traced (its grid and
+        # its timestep), and the grid calls traced since; the compiled graph's grid calls are
+        # dattn::video_grid_attention, whose run-time body (serve_compiled_call) finds this
+        # object by its key and counts the steps as an eager forward does.
+        self._key = next(_KEYS)
+        _VIDEOS[self._key] = self
+        self._traced_grid: Optional[Tuple[int, int, int]] = None
+        self._traced_timestep = None
+        self._traced_calls = 0
         self.reset()
 
     # -- counters --
@@ -225,7 +236,9 @@ class VideoSparsity:
                 self._steps: deque = deque(maxlen=self.MAX_STEPS_REPORTED)
 
     def before_forward(self, module, args, kwargs) -> None:
-        """The model's forward pre-hook: this forward's grid and step."""
+        """The model's forward pre-hook: this forward's grid and step (while torch.compile
+        traces the forward: its grid and timestep for the traced grid calls, the step being
+        counted when the compiled forward runs)."""
         try:
             a = self._signature.bind(module, *args, **kwargs).arguments
         except TypeError:
@@ -235,6 +248,14 @@ class VideoSparsity:
             raise _with_field(InvalidArgument,
                               f"hidden_states: the latent grid {grid} of this forward is empty",
                               "hidden_states")
+        if torch.compiler.is_compiling():
+            timestep = a.get("timestep")
+            if timestep is not None and not isinstance(timestep, torch.Tensor):
+                timestep = torch.as_tensor(timestep)
+            self._traced_grid = tuple(grid)
+            self._traced_timestep = timestep
+            self._traced_calls = 0
+            return
         with self._lock:
             self._advance(a.get("timestep"))
             self.grid = tuple(int(x) for x in grid)
@@ -293,9 +314,44 @@ class VideoSparsity:
     def serve(self, q, k, v, mask, *, scale, is_causal, dropout_p, enable_gqa, bhsd: bool,
               dense: Callable[[], torch.Tensor]):
         """One grid call (BSHD tensors, or BHSD with ``bhsd``): dense on FLASH (``dense()``,
-        the call as FLASH serves it) or sparse on VIDEO_SPARSE; raises what it cannot serve."""
-        tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
-        _refuse_unservable(q, k, v, mask, tensors, is_causal, dropout_p, enable_gqa, bhsd)
+        the call as FLASH serves it) or sparse on VIDEO_SPARSE; raises what it cannot serve.
+        While torch.compile traces it: the custom op dattn::video_grid_attention, which does
+        the same when the compiled graph runs."""
+        compiling = torch.compiler.is_compiling()
+        _refuse_unservable(q, k, v, mask, is_causal, dropout_p, enable_gqa, bhsd, compiling)
+        if compiling:
+            if self._traced_grid is None:
+                raise _outside_forward(self.model_name)
+            first = self._traced_calls == 0
+            self._traced_calls += 1
+            return video_grid_attention(q, k, v, mask, self._traced_timestep, self._key, first,
+                                        list(self._traced_grid), scale, bool(enable_gqa), bhsd)
+        return self._serve(q, k, v, mask, scale, bhsd, dense)
+
+    def serve_compiled_call(self, q, k, v, mask, timestep, first: bool, grid, scale,
+                            enable_gqa: bool, bhsd: bool) -> torch.Tensor:
+        """A grid call of a compiled forward, run (dattn::video_grid_attention's body): the
+        forward's first one takes its step from ``timestep``, as the pre-hook does in eager
+        mode; dense calls run on FLASH."""
+        from .. import torch_adapter as ta
+
+        if first:
+            with self._lock:
+                self._advance(timestep)
+                self.grid = tuple(int(x) for x in grid)
+                self.layer = 0
+        layout = "BHSD" if bhsd else "BSHD"
+
+        def dense():
+            key_mask = _key_mask(mask, q.shape[0], q.shape[2] if bhsd else q.shape[1])
+            m = None if key_mask is None else key_mask[:, None, None, :]
+            out, _ = ta.attention(self.flash, q, k, v, m, ta.CAUSAL_NONE, scale, enable_gqa,
+                                  layout, False)
+            return out
+
+        return self._serve(q, k, v, mask, scale, bhsd, dense).contiguous()
+
+    def _serve(self, q, k, v, mask, scale, bhsd: bool, dense: Callable[[], torch.Tensor]):
         if bhsd:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         b, rows, heads, head_size = q.shape
@@ -308,11 +364,7 @@ class VideoSparsity:
         key_mask = _key_mask(mask, b, rows)
         with self._lock:
             if self.grid is None:
-                raise _with_field(
-                    Unsupported,
-                    f"video_layout: an attention call over the grid came outside a forward of "
-                    f"{self.model_name}, so its grid is unknown; call the model, not its "
-                    f"attention modules", "video_layout")
+                raise _outside_forward(self.model_name)
             layout = layout_for(self.geometry, self.grid, rows)
             layer_index, self.layer = self.layer, self.layer + 1
             step, branch = self.step, self.branch
@@ -353,7 +405,16 @@ class VideoSparsity:
         return None if kept is None else kept.block_map()
 
 
-def _refuse_unservable(q, k, v, mask, tensors, is_causal, dropout_p, enable_gqa, bhsd) -> None:
+def _outside_forward(model_name: str):
+    return _with_field(
+        Unsupported,
+        f"video_layout: an attention call over the grid came outside a forward of "
+        f"{model_name}, so its grid is unknown; call the model, not its attention modules",
+        "video_layout")
+
+
+def _refuse_unservable(q, k, v, mask, is_causal, dropout_p, enable_gqa, bhsd,
+                       compiling: bool) -> None:
     from .. import torch_adapter as ta
 
     def refuse(field: str, why: str):
@@ -361,14 +422,13 @@ def _refuse_unservable(q, k, v, mask, tensors, is_causal, dropout_p, enable_gqa,
                                        f"over the video grid (dattn.diffusers does not hand "
                                        f"grid calls to another backend)", field)
 
-    if torch.compiler.is_compiling():
-        refuse("torch.compile", "the call is being compiled (the block selection is decided "
-                                "per call in Python)")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         refuse("query", "query, key and value must be tensors")
-    route = ta.dispatch_route(tensors, trace_as_op=False)
-    if route is not None:
-        refuse(route, f"the tensors run under {route}")
+    if not compiling:  # traced: the graph holds dattn::video_grid_attention
+        tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
+        route = ta.dispatch_route(tensors, trace_as_op=False)
+        if route is not None:
+            refuse(route, f"the tensors run under {route}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         refuse("requires_grad", "gradients are not computed by VIDEO_SPARSE")
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -407,3 +467,36 @@ def _key_mask(mask, b: int, rows: int) -> Optional[torch.Tensor]:
                 "VIDEO_SPARSE takes no additive bias", "attn_mask")
         m = finite_zero
     return m.expand(b, rows).contiguous()
+
+
+# --- the grid call in compiled graphs ------------------------------------------------------------
+
+_KEYS = itertools.count(1)
+#: The live VideoSparsity objects by key: what a compiled graph's grid call names.
+_VIDEOS: "weakref.WeakValueDictionary[int, VideoSparsity]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("dattn::video_grid_attention", mutates_args=(), device_types="cpu")
+def video_grid_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attn_mask: Optional[torch.Tensor], timestep: Optional[torch.Tensor],
+                         handle: int, first: bool, grid: List[int], scale: Optional[float],
+                         enable_gqa: bool, bhsd: bool) -> torch.Tensor:
+    """A grid call of a forward compiled under a VIDEO_SPARSE handle (the key ``handle``): the
+    handle's step and layer counting, block selection and dense policy at run time, out of the
+    compiler's sight (VideoSparsity.serve_compiled_call). ``first``: the forward's first grid
+    call, which starts its step; ``grid``: the forward's latent grid as traced."""
+    video = _VIDEOS.get(handle)
+    if video is None:
+        raise _with_field(
+            Unsupported,
+            "torch.compile: this compiled graph was traced under a dattn.diffusers VIDEO_SPARSE "
+            "handle that no longer exists; compile the model again (torch._dynamo.reset())",
+            "torch.compile")
+    return video.serve_compiled_call(query, key, value, attn_mask, timestep, first, grid, scale,
+                                     enable_gqa, bhsd)
+
+
+@video_grid_attention.register_fake
+def _video_grid_attention_fake(query, key, value, attn_mask, timestep, handle, first, grid, scale,
+                               enable_gqa, bhsd):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
