@@ -4,6 +4,9 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "dattn/errors.hpp"
 
@@ -153,8 +156,23 @@ Tensor single_document_cu_seqlens(i64 length, std::string_view key) {
 }  // namespace
 
 json parse_meta(std::string_view text, const std::string& origin) {
+  // A key given twice in one object is an error (JSON's parsers keep the last one silently).
+  std::vector<std::set<std::string>> objects;  // the keys of each object open at this point
+  const json::parser_callback_t unique_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      if (!objects.empty()) objects.pop_back();
+    } else if (event == json::parse_event_t::key && !objects.empty()) {
+      const std::string key = parsed.get<std::string>();
+      if (!objects.back().insert(key).second)
+        throw InvalidArgument(
+            key, origin + ": key '" + key + "' is given twice in one object; give each key once");
+    }
+    return true;
+  };
   try {
-    json meta = json::parse(text.begin(), text.end());
+    json meta = json::parse(text.begin(), text.end(), unique_keys);
     require_known_keys(meta, "", kMetaKeys);
     return meta;
   } catch (const json::exception& e) {

@@ -107,7 +107,7 @@ void add_bench_options(CLI::App& command, BenchOptions& options) {
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   add_measure_options(command, options.measure);
   command.add_option("--reps", options.reps, "Timed calls per combination; the best counts")
-      ->check(CLI::PositiveNumber)
+      ->check(count_in(1, 1000000))
       ->capture_default_str();
   command.add_flag("--json", options.json, "One JSON object per line (the keys of run --json)");
   command.add_option("--svg", options.svg, "Also write a bar chart of GFLOP/s to this file");

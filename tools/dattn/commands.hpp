@@ -12,6 +12,10 @@
 
 namespace dattn::cli {
 
+// A count option's check: an integer in [lo, hi], else "V is not valid; want lo to hi" (CLI11
+// prefixes the option's name).
+CLI::Validator count_in(std::int64_t lo, std::int64_t hi);
+
 // Exit codes.
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitError = 1;  // the library or the inputs refused the request

@@ -279,7 +279,7 @@ void add_info_options(CLI::App& command, InfoOptions& options) {
   command
       .add_option("--threads,-t", options.threads,
                   "Threads for the peak measurement, 1 to " + std::to_string(kMaxThreads))
-      ->check(CLI::Range(1, kMaxThreads));
+      ->check(count_in(1, kMaxThreads));
 }
 
 int run_info(const InfoOptions& options) {

@@ -25,6 +25,10 @@ int main(int argc, char** argv) {
 
   CLI::App app{"dattn: attention backends for diffusion transformers"};
   app.require_subcommand(1);
+  // CLI11's messages quote the argument in full: bounded as the library's are.
+  app.failure_message([](const CLI::App* a, const CLI::Error& e) {
+    return dattn::Error::bounded(CLI::FailureMessage::simple(a, e), dattn::Error::kMaxMessage);
+  });
 
   InfoOptions info;
   CLI::App* info_command = app.add_subcommand(

@@ -209,16 +209,16 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
   command
       .add_option("--threads,-t", options.threads,
                   "OpenMP threads, 1 to " + std::to_string(kMaxThreads) + " (default: OpenMP's)")
-      ->check(CLI::Range(1, kMaxThreads));
+      ->check(count_in(1, kMaxThreads));
   command
       .add_option("--heads", options.heads,
                   "Override the query head count (KV heads keep the GQA ratio)")
-      ->check(CLI::PositiveNumber);
+      ->check(count_in(1, 4096));
   command
       .add_option("--check-rows", options.check_rows,
                   "Query rows recomputed with REFERENCE to measure the error (0 = no check; for a "
                   "sparse backend also no comparison with dense attention)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(count_in(0, std::numeric_limits<std::int32_t>::max()))
       ->capture_default_str();
   command.add_option("--seed", options.seed, "Seed of the random inputs")->capture_default_str();
   command
@@ -236,7 +236,7 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
   auto* topk = command
                    .add_option("--topk", options.topk,
                                "VIDEO_SPARSE top-k: video key blocks kept per query block")
-                   ->check(CLI::PositiveNumber);
+                   ->check(count_in(1, std::numeric_limits<std::int32_t>::max()));
   command
       .add_option("--window", options.window,
                   "VIDEO_SPARSE sliding tile selection: window wt,wh,ww in tiles")
@@ -252,7 +252,7 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
       .add_option("--paged", options.paged,
                   "Run the workload through forward_paged with pages of this many tokens "
                   "(shuffled block tables)")
-      ->check(CLI::PositiveNumber);
+      ->check(count_in(1, 1 << 20));
   command
       .add_option("--page-dtype", options.page_dtype,
                   "Dtype of the pages with --paged (default: the inputs'; --kv-dtype overrides)")
@@ -292,7 +292,7 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
 std::optional<Workload> workload_or_report(const std::string& name, const MeasureOptions& options) {
   const Workload* found = find_workload(name);
   if (found == nullptr) {
-    std::cerr << "error: unknown workload '" << name << "'; valid workloads:\n";
+    std::cerr << "error: unknown workload '" << Error::bounded(name, 80) << "'; valid workloads:\n";
     print_workloads(std::cerr);
     return std::nullopt;
   }
@@ -411,6 +411,34 @@ void check_flag_options(const Measurement& m, const std::vector<std::string>& ba
                  "; the chosen backend" + (chosen.size() > 1 ? "s (" : " (") + names + ") do" +
                  (chosen.size() > 1 ? "" : "es") + " not take it");
   }
+  // The flags that shape the measurement itself: every chosen backend must serve them (bench
+  // runs each combination with them).
+  const auto refuse = [&](const std::string& field, const std::string& flag,
+                          const std::string& what, const Backend& b, auto serves) {
+    std::string takers;
+    for (const auto& other : Registry::global().all())
+      if (serves(*other)) takers += (takers.empty() ? "" : ", ") + other->name();
+    throw InvalidArgument(field, flag + " " + what + "; backend " + b.name() +
+                                     " does not (backends that do: " +
+                                     (takers.empty() ? std::string("none") : takers) + ")");
+  };
+  for (const auto& b : chosen) {
+    if (!m.mask_png.empty() && !names_equal(b->name(), "VIDEO_SPARSE"))
+      refuse("mask_png", "--mask-png", "writes a block-sparse backend's block map", *b,
+             [](const Backend& x) { return names_equal(x.name(), "VIDEO_SPARSE"); });
+    if (m.page_block > 0 && !b->supports_paged_kv())
+      refuse("paged", "--paged", "runs the workload through paged KV", *b,
+             [](const Backend& x) { return x.supports_paged_kv(); });
+    const KvCacheDtype kv = m.kv_dtype;
+    if (m.page_block == 0 && kv != KvCacheDtype::unquantized &&
+        !b->supports_kv_cache_dtype(kv, Platform::cpu))
+      refuse("kv_dtype", "--kv-dtype", "quantizes K and V", *b,
+             [kv](const Backend& x) { return x.supports_kv_cache_dtype(kv, Platform::cpu); });
+  }
+  if (m.page_dtype && m.page_block == 0)
+    throw InvalidArgument("page_dtype",
+                          "--page-dtype sets the dtype of the pages of --paged; without --paged "
+                          "there are none");
 }
 
 void check_engine_options(const Measurement& m, const std::string& backend) {

@@ -22,7 +22,7 @@ void add_run_options(CLI::App& command, RunOptions& options) {
   command.add_flag("--json", options.json, "Print one JSON object per line");
   command.add_flag("--list-workloads", options.list_workloads, "List the workloads and exit");
   command.add_option("--reps", options.reps, "Timed calls after one warm-up; the best counts")
-      ->check(CLI::PositiveNumber)
+      ->check(count_in(1, 1000000))
       ->capture_default_str();
   command
       .add_option("--parallel", options.parallel,

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "dattn/errors.hpp"
 #include "dattn/parallel.hpp"
 #include "measurement.hpp"
 
@@ -16,7 +17,7 @@ void add_traffic_options(CLI::App& command, TrafficOptions& options) {
                      "Workloads (default: flux-1024, wan-480p, hunyuan-720p)");
   command.add_option("--ranks", options.ranks, "Rank counts")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(count_in(1, 65536))
       ->capture_default_str();
   command.add_option("--dtype", options.dtype, "Element type of Q, K, V and the output")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))
@@ -28,6 +29,17 @@ int run_traffic(const TrafficOptions& options) {
   std::vector<std::string> names = options.workloads;
   if (names.empty()) names = {"flux-1024", "wan-480p", "hunyuan-720p"};
   const DType dtype = parse_dtype(options.dtype).value_or(DType::BF16);
+  std::vector<const Workload*> chosen;  // every name checked before anything is printed
+  for (const std::string& name : names) {
+    const Workload* w = find_workload(name);
+    if (w == nullptr) {
+      std::cerr << "error: unknown workload '" << Error::bounded(name, 80)
+                << "'; valid workloads:\n";
+      print_workloads(std::cerr);
+      return kExitUsage;
+    }
+    chosen.push_back(w);
+  }
   if (!options.json)
     std::cout << "bytes sent per rank per attention call (one layer), " << options.dtype
               << ", no mask; MiB = 2^20 bytes\n"
@@ -35,13 +47,8 @@ int run_traffic(const TrafficOptions& options) {
               << std::right << std::setw(4) << "P" << std::setw(14) << "MiB/rank" << std::setw(14)
               << "MiB total" << std::setw(14) << "GFLOP/rank" << std::setw(12) << "FLOP/byte"
               << '\n';
-  for (const std::string& name : names) {
-    const Workload* w = find_workload(name);
-    if (w == nullptr) {
-      std::cerr << "error: unknown workload '" << name << "'; valid workloads:\n";
-      print_workloads(std::cerr);
-      return kExitUsage;
-    }
+  for (const Workload* w : chosen) {
+    const std::string& name = w->name;
     ParallelTraffic t;
     t.batch = w->packed() ? 1 : w->batch;
     t.rows = w->query_rows;
