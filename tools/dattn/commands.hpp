@@ -30,7 +30,8 @@ void add_info_options(CLI::App& command, InfoOptions& options);
 int run_info(const InfoOptions& options);
 
 // How `run` and `bench` measure: threads, head count override, rows checked, input seed, the
-// input signal, and the options of a sparse backend (VIDEO_SPARSE; others ignore them).
+// input signal, and the options only some backends take (an error with the others:
+// check_flag_options).
 struct MeasureOptions {
   int threads = 0;         // 0 = OpenMP's default
   std::int64_t heads = 0;  // 0 = the workload's own head count
@@ -49,7 +50,7 @@ struct MeasureOptions {
   // ("f32" or "bf16") and isa (an engine of flash_engines(), the cap); empty = not given.
   std::string compute_dtype;
   std::string isa;
-  // SAGE's backend option pv_dtype ("auto", "bf16", "f32" or "int8"); FLASH ignores it.
+  // SAGE's backend option pv_dtype ("auto", "bf16", "f32", "int16" or "int8").
   std::string pv_dtype;
 };
 void add_measure_options(CLI::App& command, MeasureOptions& options);

@@ -268,7 +268,7 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
                   "avx_vnni and avx2_int8, bf16 tiles on amx_int8, f32 on portable_int8), bf16, "
                   "f32, int16 (12- and 13-bit codes in "
                   "16-bit integer lanes: more accurate than bf16), or int8 (P and V as 8-bit "
-                  "codes: fastest, least accurate); the other backends ignore it")
+                  "codes: fastest, least accurate); an error with the other backends")
       ->check(CLI::IsMember({"auto", "bf16", "f32", "int16", "int8"}));
   std::string engines;
   for (const EngineInfo& e : flash_engines()) engines += (engines.empty() ? "" : ", ") + e.name;

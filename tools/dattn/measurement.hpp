@@ -80,7 +80,8 @@ std::shared_ptr<const Backend> resolve_backend(const std::string& backend,
 BackendOptions layer_options(const Measurement& m, const Backend& backend);
 // InvalidArgument naming the flag when a flag option of `m` is an option of none of `backends`
 // (names as on the command line; "auto" resolved as the layer would): e.g. --sparsity with
-// FLASH alone.
+// FLASH alone; and when a flag that shapes the measurement (--mask-png, --paged, --kv-dtype)
+// names what one of them does not serve, or --page-dtype comes without --paged.
 void check_flag_options(const Measurement& m, const std::vector<std::string>& backends);
 // With --isa or --compute-dtype given (engine_options(m) not empty): throws InvalidArgument
 // naming the option when `backend` is a backend without FLASH's engines (FLASH and VIDEO_SPARSE
