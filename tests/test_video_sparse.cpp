@@ -122,8 +122,23 @@ TEST(VideoTiling, InvalidLayoutsNameTheField) {
     }
     return std::string("<none>");
   };
-  VideoTokenLayout both = one_tail(0, {1, 2, 2});
-  both.used_len = 4;
+  // A one-tail layout that also states its used_len (vllm-omni's): the same layout when it is
+  // prefix_len + t*h*w, an error naming used_len and the tail otherwise; with spans too, neither.
+  VideoTokenLayout both = one_tail(3, {1, 2, 2});
+  both.used_len = 7;
+  EXPECT_EQ(field_of(both, 10), "<none>");
+  EXPECT_EQ(VideoTiling::build(both, 10, {4, 4, 4}).used_len(),
+            VideoTiling::build(one_tail(3, {1, 2, 2}), 10, {4, 4, 4}).used_len());
+  both.used_len = 6;
+  EXPECT_EQ(field_of(both, 10), "video_layout.used_len");
+  try {
+    (void)VideoTiling::build(both, 10, {4, 4, 4});
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("prefix_len = 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("used_len = 6"), std::string::npos) << e.what();
+  }
+  both.used_len = 7;
+  both.video_spans = {{0, {1, 2, 2}, VideoRole::target}};
   EXPECT_EQ(field_of(both, 10), "video_layout");
   EXPECT_EQ(field_of(VideoTokenLayout{}, 10), "video_layout");
   EXPECT_EQ(field_of(one_tail(-1, {1, 2, 2}), 10), "video_layout.prefix_len");

@@ -13,16 +13,20 @@ from .metadata import metadata_dict
 from .tensors import empty_like_input, float32_like, is_torch, tensor_arg
 
 _LAYOUTS = ("BSHD", "BHSD", "THD")
+#: Other names of the layouts: vllm-omni's video models say BSND / BNSD (N: heads).
+_LAYOUT_ALIASES = {"BSND": "BSHD", "BNSD": "BHSD"}
 
 
 def _layout_name(qkv_layout) -> str:
     if qkv_layout is None:
         return "BSHD"
-    name = str(qkv_layout).upper()
+    name = str(qkv_layout).strip().upper()
+    name = _LAYOUT_ALIASES.get(name, name)
     if name not in _LAYOUTS:
         raise _with_field(
             InvalidArgument,
-            f"qkv_layout: '{qkv_layout}' is not valid; valid: BSHD, BHSD, THD",
+            f"qkv_layout: '{str(qkv_layout):.40}' is not valid; valid: BSHD (or BSND), BHSD (or "
+            f"BNSD), THD",
             "qkv_layout",
         )
     return name

@@ -52,11 +52,13 @@ QkvLayout parse_qkv_layout(std::string_view s) {
   std::string v(s);
   std::transform(v.begin(), v.end(), v.begin(),
                  [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  if (v == "BSHD") return QkvLayout::BSHD;
-  if (v == "BHSD") return QkvLayout::BHSD;
+  // BSND / BNSD: the same layouts as vllm-omni's video models name them (N: heads).
+  if (v == "BSHD" || v == "BSND") return QkvLayout::BSHD;
+  if (v == "BHSD" || v == "BNSD") return QkvLayout::BHSD;
   if (v == "THD") return QkvLayout::THD;
-  throw InvalidArgument(
-      "qkv_layout", "qkv_layout = '" + std::string(s) + "' is not valid; valid: BSHD, BHSD, THD");
+  throw InvalidArgument("qkv_layout", "qkv_layout = '" + std::string(s) +
+                                          "' is not valid; valid: BSHD (or BSND), BHSD (or BNSD), "
+                                          "THD");
 }
 
 std::string_view qkv_layout_name(QkvLayout l) {

@@ -45,7 +45,9 @@ CheckedVideoLayout validate_video_layout(const VideoTokenLayout& layout, i64 seq
                                          VideoLayoutRules rules) {
   const bool full = rules == VideoLayoutRules::full;
   const bool tail = layout.prefix_len.has_value() || layout.latent_grid.has_value();
-  const bool spans = layout.used_len.has_value() || !layout.video_spans.empty();
+  // A one-tail layout may also state its used_len (vllm-omni's video models do), which must
+  // then be prefix_len + t*h*w: without spans, used_len is the span form's only if no tail.
+  const bool spans = !layout.video_spans.empty() || (layout.used_len.has_value() && !tail);
 
   // ---- arithmetic, whatever the form ----
   if (layout.prefix_len && *layout.prefix_len >= kMaxPosition)
@@ -103,6 +105,12 @@ CheckedVideoLayout validate_video_layout(const VideoTokenLayout& layout, i64 seq
     out.stretches.push_back({s.start, s.length(), s});
     end = s.start + s.length();  // checked above: at most kMaxPosition
   }
+  if (tail && layout.used_len && *layout.used_len != end)
+    invalid("video_layout.used_len",
+            "used_len = " + std::to_string(*layout.used_len) +
+                " with the one-tail form's prefix_len = " + std::to_string(*layout.prefix_len) +
+                " and latent_grid " + grid_text(*layout.latent_grid) + ", which end at " +
+                std::to_string(end) + "; give used_len = prefix_len + t*h*w or leave it out");
   out.used_len = tail ? end : *layout.used_len;
   if (!tail && out.used_len < end)
     invalid("video_layout.used_len", "used_len = " + std::to_string(out.used_len) +
