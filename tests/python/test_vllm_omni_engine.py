@@ -42,16 +42,17 @@ torch = pytest.importorskip("torch")
 
 import dattn  # noqa: E402
 import dattn.vllm_omni  # noqa: E402
+import dattn.vllm_omni.backends  # noqa: E402
 from conftest import assert_close, rand  # noqa: E402
 
 PINNED = "0.30.0"
 STUBS = Path(__file__).resolve().parent / "stubs"
 ENTRY_POINTS = """\
 [vllm_omni.platform_plugins]
-dattn = dattn.vllm_omni_plugin:platform_plugin
+dattn = dattn.vllm_omni.plugin:platform_plugin
 
 [vllm_omni.general_plugins]
-dattn = dattn.vllm_omni_plugin:general_plugin
+dattn = dattn.vllm_omni.plugin:general_plugin
 """
 
 
@@ -66,7 +67,8 @@ def _engine_spec():
 
 def _ours(name):
     return (
-        name in ("vllm", "vllm_omni", "dattn.vllm_omni_platform")
+        # dattn's platform module holds the class it made over the engine's bases
+        name in ("vllm", "vllm_omni", "dattn.vllm_omni.platform", "dattn.vllm_omni_platform")
         or name.startswith(("vllm.", "vllm_omni."))
     )
 
@@ -111,7 +113,7 @@ def _install(spec, entry_points_dir=None, layer=False):
     ns.registry = importlib.import_module("vllm_omni.diffusion.attention.backends.registry")
     ns.selector = importlib.import_module("vllm_omni.diffusion.attention.selector")
     ns.nvml = importlib.import_module("vllm.utils.import_utils")
-    ns.adapter = importlib.reload(dattn.vllm_omni)
+    ns.adapter = importlib.reload(dattn.vllm_omni.backends)
     assert ns.adapter.ENGINE_AVAILABLE
     modules = [ns.platforms, ns.selector, ns.abstract]
     if layer:
@@ -166,7 +168,7 @@ def _engine(tmp_path, monkeypatch, entry_point=True, layer=False):
         for n in [n for n in sys.modules if _ours(n)]:
             del sys.modules[n]
         sys.modules.update(saved)
-        importlib.reload(dattn.vllm_omni)
+        importlib.reload(dattn.vllm_omni.backends)
 
 
 @pytest.fixture
@@ -197,7 +199,7 @@ def resolve(ns):
 
 def test_the_engine_finds_dattns_entry_points(engine):
     found = engine.plugins.load_omni_plugins_by_group(engine.plugins.OMNI_PLATFORM_PLUGINS_GROUP)
-    from dattn.vllm_omni_plugin import general_plugin, platform_plugin
+    from dattn.vllm_omni.plugin import general_plugin, platform_plugin
 
     assert found == {"dattn": platform_plugin}
     found = engine.plugins.load_omni_plugins_by_group(engine.plugins.OMNI_DEFAULT_PLUGINS_GROUP)
@@ -205,9 +207,9 @@ def test_the_engine_finds_dattns_entry_points(engine):
 
 
 def test_no_accelerator_resolves_dattns_platform(engine):
-    assert resolve(engine) == "dattn.vllm_omni_platform.DattnCpuOmniPlatform"
+    assert resolve(engine) == "dattn.vllm_omni.platform.DattnCpuOmniPlatform"
     platform = engine.platforms.current_omni_platform  # the engine's lazy global
-    from dattn.vllm_omni_platform import DattnCpuOmniPlatform
+    from dattn.vllm_omni.platform import DattnCpuOmniPlatform
 
     assert isinstance(platform, DattnCpuOmniPlatform)
     assert isinstance(platform, engine.interface.OmniPlatform)
@@ -222,19 +224,19 @@ def test_without_the_entry_point_the_engine_has_no_platform(engine_without_entry
 def test_a_cuda_host_changes_nothing(engine, monkeypatch):
     """NVML reports a GPU: the engine's CUDA platform is chosen, dattn's plugin returns None."""
     monkeypatch.setattr(engine.nvml, "NVML_DEVICE_COUNT", 1)
-    from dattn.vllm_omni_plugin import platform_plugin
+    from dattn.vllm_omni.plugin import platform_plugin
 
     assert platform_plugin() is None
     assert resolve(engine) == "vllm_omni.platforms.cuda.platform.CudaOmniPlatform"
     monkeypatch.setenv("DATTN_VLLM_OMNI", "1")  # the user opts in: dattn's platform wins
-    assert resolve(engine) == "dattn.vllm_omni_platform.DattnCpuOmniPlatform"
+    assert resolve(engine) == "dattn.vllm_omni.platform.DattnCpuOmniPlatform"
 
 
 def test_opting_out(engine, monkeypatch):
     monkeypatch.setenv("DATTN_VLLM_OMNI", "0")
     assert resolve(engine) == "vllm_omni.platforms.interface.UnspecifiedOmniPlatform"
     monkeypatch.setenv("DATTN_VLLM_OMNI", "auto")
-    assert resolve(engine) == "dattn.vllm_omni_platform.DattnCpuOmniPlatform"
+    assert resolve(engine) == "dattn.vllm_omni.platform.DattnCpuOmniPlatform"
 
 
 # --- the selector --------------------------------------------------------------------------
@@ -266,7 +268,14 @@ def test_selector_with_the_variable(engine, monkeypatch, value):
     monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", value)
     config = EnvAttentionConfig(os.environ["DIFFUSION_ATTENTION_BACKEND"])
     backend, spec = engine.selector.get_attn_backend_for_role("self", 128, attention_config=config)
-    assert backend is engine.adapter.DattnAttentionBackend and spec is config.default
+    # DATTN: dattn's own class; a dattn backend's name: the class bound to that backend (the
+    # engine tells the impl the options only, not the name).
+    if value.upper() == "DATTN":
+        assert backend is engine.adapter.DattnAttentionBackend
+    else:
+        assert backend is engine.adapter.bound_backend(value)
+        assert issubclass(backend, engine.adapter.DattnAttentionBackend)
+    assert spec is config.default
     impl = backend.get_impl_cls()(
         num_heads=2, head_size=128, softmax_scale=None, causal=False, backend_kwargs=spec.backend_kwargs(),
         role="self", backend_explicit=True,
@@ -306,7 +315,7 @@ def test_the_general_plugin_names_dattn_in_the_engines_enum(engine):
         engine.selector.get_attn_backend_for_capability("self", attention_config=config)
     engine.plugins.load_omni_general_plugins()
     engine.plugins.load_omni_general_plugins()  # once per process; dattn's is idempotent too
-    from dattn.vllm_omni_plugin import general_plugin
+    from dattn.vllm_omni.plugin import general_plugin
 
     general_plugin()
     enum = engine.registry.DiffusionAttentionBackendEnum
@@ -328,7 +337,7 @@ def test_the_general_plugin_does_nothing_on_a_cuda_host(engine, monkeypatch):
 def test_backend_declares_the_engines_platform_value(engine):
     b = engine.adapter.DattnAttentionBackend
     assert engine.interface.OmniPlatformEnum.OOT.value in b.supported_platforms
-    from dattn.vllm_omni_platform import DattnCpuOmniPlatform
+    from dattn.vllm_omni.platform import DattnCpuOmniPlatform
 
     DattnCpuOmniPlatform.validate_dattn_backend(128)  # the engine's checks, passing
     key = DattnCpuOmniPlatform.device_name  # what the engine's layer passes as platform_key
@@ -382,7 +391,7 @@ def test_the_plugins_without_the_engine(monkeypatch):
     """The entry points load and run where vllm-omni is not importable (the engine is absent
     or broken): the platform hook answers from torch's view alone, the general hook does
     nothing."""
-    from dattn import vllm_omni_plugin as plugin
+    from dattn.vllm_omni import plugin
 
     monkeypatch.delenv("DATTN_VLLM_OMNI", raising=False)
     monkeypatch.setitem(sys.modules, "vllm_omni", None)  # `import vllm_omni...` raises
@@ -675,7 +684,7 @@ def test_the_engines_sdpa_runs_on_dattns_platform(layer_engine):
     with pytest.raises(NotImplementedError, match="_scaled_dot_product_efficient_attention"):
         ring_kernels.pytorch_attn_forward(q, k, v, causal=False, op_type="efficient")
     ns.plugins.load_omni_general_plugins()  # as every engine worker does at start
-    from dattn.vllm_omni_plugin import general_plugin, serve_engine_sdpa
+    from dattn.vllm_omni.plugin import general_plugin, serve_engine_sdpa
 
     general_plugin()
     assert serve_engine_sdpa()  # idempotent
@@ -824,7 +833,7 @@ def _sp_case(ns, rank, parallel, case):
     local = [full[n][:, rows] for n in ("q", "k", "v")]
     result = {}
     outs = {}
-    import dattn.vllm_omni_plugin as plugin
+    import dattn.vllm_omni.plugin as plugin
 
     for label, backend in (("dattn", "DATTN" if explicit else None), ("sdpa", "TORCH_SDPA")):
         layer, config = build_layer(ns, backend=backend, heads=H, kv_heads=Hkv, head_size=SP_D,

@@ -1,4 +1,6 @@
-"""dattn as an attention backend of the vllm-omni diffusion engine (the seed's interface).
+"""dattn as an attention backend of the vllm-omni diffusion engine (the seed's interface),
+``dattn.vllm_omni.backends``; the engine's class paths name the package,
+``dattn.vllm_omni.DattnAttentionBackend``.
 
 ``DattnAttentionBackend`` and ``DattnAttentionImpl`` have the shape of the seed's
 ``AttentionBackend`` / ``AttentionImpl`` (``vllm_omni.diffusion.attention.backends.abstract``).
@@ -28,10 +30,10 @@ to the base class's platform dispatch (``forward_cuda`` etc.), which this class 
 implement, so they are refused with :class:`dattn.Unsupported` naming the tensor's device.
 
 The engine picks it through dattn's plugins (entry points ``vllm_omni.platform_plugins`` and
-``vllm_omni.general_plugins``, :mod:`dattn.vllm_omni_plugin`): on a machine without an
+``vllm_omni.general_plugins``, :mod:`dattn.vllm_omni.plugin`): on a machine without an
 accelerator, or with ``DATTN_VLLM_OMNI=1``, dattn's CPU platform
-(:mod:`dattn.vllm_omni_platform`) resolves the diffusion attention to
-``"dattn.vllm_omni.DattnAttentionBackend"`` (see docs/python.md).
+(:mod:`dattn.vllm_omni.platform`) resolves the diffusion attention to
+``"dattn.vllm_omni.DattnAttentionBackend"`` (see docs/vllm-omni.md).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Set, Tuple
 
-from .attention import Attention, PagedCall
-from .backends import adapter_backend, get_backend
-from .errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field
-from .metadata import AttentionMetadata as _DattnMetadata
+from ..attention import Attention, PagedCall
+from ..backends import adapter_backend, get_backend
+from ..errors import InvalidArgument, Unsupported, UnsupportedTensor, _with_field
+from ..metadata import AttentionMetadata as _DattnMetadata
+from .patches import note_computed
 
 try:
     from vllm_omni.diffusion.attention.backends import abstract as _engine
@@ -308,18 +311,55 @@ def _layer_index(prefix: str) -> Optional[int]:
     return ints[0] if len(ints) == 1 else None
 
 
-def _denoise_step() -> Optional[int]:
-    """The engine's current denoising step (its forward context's ``denoise_step_idx``)."""
+def _denoise_steps() -> Tuple[Optional[int], Optional[int]]:
+    """The engine's current denoising step and its step count (its forward context's
+    ``denoise_step_idx`` and ``total_denoise_steps``), each None where unknown."""
     fc = sys.modules.get("vllm_omni.diffusion.forward_context")
     if fc is None:
-        return None
+        return None, None
     try:
         if not fc.is_forward_context_available():
-            return None
-        step = fc.get_forward_context().denoise_step_idx
-        return None if step is None else int(step)
+            return None, None
+        ctx = fc.get_forward_context()
+        step, total = ctx.denoise_step_idx, getattr(ctx, "total_denoise_steps", None)
+        return (None if step is None else int(step)), (None if total is None else int(total))
     except Exception:  # a context of another shape: no step known
-        return None
+        return None, None
+
+
+#: The engine's typed block-sparse config (``AttentionSpec.block_sparse``, which reaches a
+#: backend as these ``backend_kwargs``), as VIDEO_SPARSE's: ``sparsity`` is VIDEO_SPARSE's own
+#: (the fraction of key blocks skipped), ``start_step`` its ``dense_steps``, ``skip_layers``
+#: (the engine's layer indices) and ``end_step`` (the last steps) dense as well; ``precision``
+#: must be the engine's default ``bf16`` (VIDEO_SPARSE computes in its ``compute_dtype``).
+_ENGINE_BLOCK_SPARSE = ("start_step", "end_step", "skip_layers", "precision")
+
+
+def _engine_block_sparse(options: dict) -> Tuple[dict, Set[int], int]:
+    """(options with the engine's block-sparse keys taken out, the dense layer indices, the
+    dense last steps)."""
+    options = dict(options)
+    if not any(k in options for k in _ENGINE_BLOCK_SPARSE):
+        return options, set(), 0
+    start = options.pop("start_step", 0) or 0
+    if start:
+        if options.get("dense_steps") not in (None, start):
+            raise _with_field(
+                InvalidArgument,
+                f"start_step: the engine's block_sparse.start_step = {start} and dattn's "
+                f"dense_steps = {options['dense_steps']} say two things; give one", "start_step")
+        options["dense_steps"] = start
+    precision = str(options.pop("precision", "bf16") or "bf16").lower()
+    if precision != "bf16":
+        raise _with_field(
+            InvalidArgument,
+            f"precision: block_sparse.precision = {precision!r} is RainFusion's; VIDEO_SPARSE "
+            f"takes 'bf16' (the default) and computes in its compute_dtype (backend option)",
+            "precision")
+    skip = options.pop("skip_layers", None) or []
+    layers = {int(i) for i in skip}
+    end = int(options.pop("end_step", 0) or 0)
+    return options, layers, end
 
 
 class _StepPolicy:
@@ -329,12 +369,16 @@ class _StepPolicy:
     or layer (no index in the prefix) never makes a call dense, and an unknown step never
     reuses. The calls of one layer within one step are its CFG branches in call order."""
 
-    def __init__(self, policy: dict, flash_options: dict, layer_index: Optional[int]):
-        from .sparse_steps import SelectionCache
+    def __init__(self, policy: dict, flash_options: dict, layer_index: Optional[int],
+                 dense_layer_indices: Set[int] = frozenset(), dense_last_steps: int = 0):
+        from ..sparse_steps import SelectionCache
 
         self.policy = policy
         self.flash_options = flash_options
         self.layer_index = layer_index
+        #: The engine's block_sparse.skip_layers and end_step (_engine_block_sparse).
+        self.dense_layer_indices = set(dense_layer_indices)
+        self.dense_last_steps = int(dense_last_steps)
         self.cache = SelectionCache(policy)
         self._dense: Dict[Tuple[int, int], Attention] = {}
         self._step: Optional[int] = None
@@ -352,21 +396,26 @@ class _StepPolicy:
         return dense
 
     def forward(self, impl, layer: Attention, query, key, value, meta, output):
-        from .sparse_steps import is_dense
-        from .tensors import is_torch
+        from ..sparse_steps import is_dense
+        from ..tensors import is_torch
 
-        step = _denoise_step()
+        step, total = _denoise_steps()
         if step is None or step != self._step:
             self._step, self._branch = step, 0
         else:
             self._branch += 1
         if step is not None and step == 0 and self._branch == 0:
             self.cache.clear()  # step 0: a new generation
-        if is_dense(self.policy, step, self.layer_index):
+        tail = (self.dense_last_steps > 0 and step is not None and total is not None
+                and step >= total - self.dense_last_steps)
+        if (is_dense(self.policy, step, self.layer_index) or tail
+                or self.layer_index in self.dense_layer_indices):
+            note_computed("dattn:FLASH")
             return self._dense_layer(impl, layer).forward(query, key, value, meta, out=output)
+        note_computed("dattn:VIDEO_SPARSE")
         threads = 0
         if is_torch(query):
-            from .torch_layer import call_threads
+            from ..torch_layer import call_threads
 
             threads = call_threads()
         out, _ = self.cache.sparse_call(layer, query, key, value, meta, step=step,
@@ -450,10 +499,12 @@ class DattnAttentionImpl(_ImplBase):
         #: prefix (docs/semantics.md, "VIDEO_SPARSE in diffusers' video models"); None otherwise.
         self._steps: Optional[_StepPolicy] = None
         if backend == "VIDEO_SPARSE":
-            from .sparse_steps import split_options
+            from ..sparse_steps import split_options
 
+            options, dense_layers, dense_last = _engine_block_sparse(options)
             policy, options, flash = split_options(options)
-            self._steps = _StepPolicy(policy, flash, _layer_index(prefix))
+            self._steps = _StepPolicy(policy, flash, _layer_index(prefix), dense_layers,
+                                      dense_last)
         declared = _declared_options(backend)
         #: backend_kwargs keys the chosen dattn backend does not take (the engine's other
         #: backends' keys), left out of its layers.
@@ -527,6 +578,7 @@ class DattnAttentionImpl(_ImplBase):
         if (self._steps is not None and _get(meta, "video_layout") is not None
                 and self.layer.layout == "BSHD"):
             return self._steps.forward(self, layer, query, key, value, meta, output)
+        note_computed("dattn:" + layer.backend_name)
         return layer.forward(query, key, value, meta, out=output)
 
     # --- heads ---------------------------------------------------------------------------
@@ -732,21 +784,27 @@ class DattnAttentionBackend(_BackendBase):
         return _FLASH.get_supported_head_sizes()  # [] = any head size
 
 
-class DattnSageAttentionImpl(DattnAttentionImpl):
+class _BoundImpl(DattnAttentionImpl):
+    """A :class:`DattnAttentionImpl` whose layers run on one dattn backend (``dattn_backend``)
+    unless ``backend_kwargs["backend"]`` names another: what the engine gets for a dattn
+    backend's name (its per-role config names the backend only to the platform, which returns
+    this class; the impl is told only the options)."""
+
+    dattn_backend = ""
+
+    def __init__(self, *args, backend_kwargs: Optional[Dict[str, Any]] = None, **kwargs) -> None:
+        options = dict(backend_kwargs or {})
+        options.setdefault("backend", self.dattn_backend)
+        super().__init__(*args, backend_kwargs=options, **kwargs)
+
+
+class DattnSageAttentionImpl(_BoundImpl):
     """The engine's ``SAGE_ATTN`` / ``SAGE_ATTN_3`` on dattn's platform: a layer on dattn's SAGE
     backend (8-bit Q.K^T with K smoothing, P.V in int16, bf16, f32 or int8; docs/semantics.md,
     "SAGE"), unless ``backend_kwargs["backend"]`` names another dattn backend; SAGE's options
     (``pv_dtype``, ``smooth_k``, ``balance_qk``, ``isa``) in ``backend_kwargs``."""
 
-    def __init__(self, num_heads: int, head_size: int, softmax_scale: Optional[float],
-                 causal: bool = False, num_kv_heads: Optional[int] = None, prefix: str = "",
-                 qkv_layout: Optional[str] = None,
-                 backend_kwargs: Optional[Dict[str, Any]] = None, **extra_impl_args) -> None:
-        options = dict(backend_kwargs or {})
-        options.setdefault("backend", "SAGE")
-        super().__init__(num_heads, head_size, softmax_scale, causal=causal,
-                         num_kv_heads=num_kv_heads, prefix=prefix, qkv_layout=qkv_layout,
-                         backend_kwargs=options, **extra_impl_args)
+    dattn_backend = "SAGE"
 
 
 class DattnSageAttentionBackend(DattnAttentionBackend):
@@ -759,6 +817,36 @@ class DattnSageAttentionBackend(DattnAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type:
         return DattnSageAttentionImpl
+
+
+#: The prefix of the class paths of the backends bound to one dattn backend.
+BOUND_PREFIX = "DattnAttentionBackend_"
+
+
+def bound_backend(name: str) -> type:
+    """The engine backend class whose layers run on dattn's backend ``name`` (e.g.
+    ``VIDEO_SPARSE``): ``dattn.vllm_omni.backends.DattnAttentionBackend_<NAME>``, made once."""
+    name = get_backend(name).name  # an unknown name: dattn's InvalidArgument listing them
+    cls = _BOUND.get(name)
+    if cls is None:
+        impl = type(f"DattnAttentionImpl_{name}", (_BoundImpl,), {
+            "dattn_backend": name, "__module__": __name__,
+            "__doc__": f"A DattnAttentionImpl on dattn's {name} backend."})
+        cls = type(BOUND_PREFIX + name, (DattnAttentionBackend,), {
+            "__module__": __name__,
+            "__doc__": f"DattnAttentionBackend with its layers on dattn's {name} backend.",
+            "get_impl_cls": staticmethod(lambda: impl)})
+        cls = _BOUND.setdefault(name, cls)
+    return cls
+
+
+_BOUND: Dict[str, type] = {}
+
+
+def __getattr__(attr: str):
+    if attr.startswith(BOUND_PREFIX):
+        return bound_backend(attr[len(BOUND_PREFIX):])
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 #: Shorter names for the same classes.
