@@ -806,6 +806,13 @@ TEST(FlashEngines, ComputeDtypeIsValidated) {
 // items per head. Engines the CPU lacks skip with the reason.
 class FlashEngine : public ::testing::TestWithParam<std::string> {};
 
+// The engine the library lists under `name` (an empty EngineInfo if none).
+EngineInfo engine_info(const std::string& name) {
+  for (const EngineInfo& e : flash_engines())
+    if (e.name == name) return e;
+  return EngineInfo{};
+}
+
 struct EngineCase {
   i64 hq, hkv, d, sq, skv;
   bool causal, mask;
@@ -813,11 +820,7 @@ struct EngineCase {
 };
 
 TEST_P(FlashEngine, MatchesReference) {
-  const EngineInfo info = [&] {
-    for (const EngineInfo& e : flash_engines())
-      if (e.name == GetParam()) return e;
-    return EngineInfo{};
-  }();
+  const EngineInfo info = engine_info(GetParam());
   ASSERT_EQ(info.name, GetParam());
   if (info.unavailable_reason) GTEST_SKIP() << info.name << ": " << *info.unavailable_reason;
   const bool bf16_engine = info.compute_dtype == "bf16";
@@ -899,11 +902,7 @@ TEST_P(FlashEngine, MatchesReference) {
 // past valid_kv_length) keeps the bits it has with clean values, on every engine (SAGE's under
 // SAGE), over several tiles, a short last tile and split-KV. 0 x NaN would have made them NaN.
 TEST_P(FlashEngine, NonFiniteValuesReachOnlyTheRowsThatSeeThem) {
-  const EngineInfo info = [&] {
-    for (const EngineInfo& e : flash_engines())
-      if (e.name == GetParam()) return e;
-    return EngineInfo{};
-  }();
+  const EngineInfo info = engine_info(GetParam());
   ASSERT_EQ(info.name, GetParam());
   if (info.unavailable_reason) GTEST_SKIP() << info.name << ": " << *info.unavailable_reason;
   const bool bf16_engine = info.compute_dtype == "bf16";

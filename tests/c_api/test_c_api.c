@@ -18,19 +18,24 @@ static int failures = 0;
     }                                                                          \
   } while (0)
 
-/* A compact (or strided) f32 DLTensor over `data`. */
-static DLTensor f32_tensor(float* data, int ndim, int64_t* shape, int64_t* strides) {
+/* A CPU DLTensor over `data` of type (code, bits), compact (strides NULL) or strided. */
+static DLTensor cpu_tensor(void* data, int code, int bits, int ndim, int64_t* shape,
+                           int64_t* strides) {
   DLTensor t;
   memset(&t, 0, sizeof t);
   t.data = data;
   t.device.device_type = kDLCPU;
   t.ndim = ndim;
-  t.dtype.code = kDLFloat;
-  t.dtype.bits = 32;
+  t.dtype.code = (uint8_t)code;
+  t.dtype.bits = (uint8_t)bits;
   t.dtype.lanes = 1;
   t.shape = shape;
   t.strides = strides;
   return t;
+}
+
+static DLTensor f32_tensor(float* data, int ndim, int64_t* shape, int64_t* strides) {
+  return cpu_tensor(data, kDLFloat, 32, ndim, shape, strides);
 }
 
 static float uniform(unsigned* state) {
@@ -159,14 +164,7 @@ int main(void) {
     DLTensor mask;
     dattn_call call;
     for (n = 0; n < sizeof keep; ++n) keep[n] = (unsigned char)(n % 3 != 1);
-    memset(&mask, 0, sizeof mask);
-    mask.data = keep;
-    mask.device.device_type = kDLCPU;
-    mask.ndim = 2;
-    mask.dtype.code = DATTN_DL_BOOL;
-    mask.dtype.bits = 8;
-    mask.dtype.lanes = 1;
-    mask.shape = ms;
+    mask = cpu_tensor(keep, DATTN_DL_BOOL, 8, 2, ms, NULL);
     dattn_call_init(&call);
     CHECK(call.struct_size == sizeof call && call.valid_kv_length == -1);
     call.attn_mask = &mask;
@@ -237,22 +235,8 @@ int main(void) {
       for (n = 0; n < sizeof out / sizeof *out; ++n) CHECK(out[n] == 42.0f);
       for (n = 0; n < sizeof lse / sizeof *lse; ++n) CHECK(lse[n] == 42.0f);
     }
-    memset(&tm, 0, sizeof tm);
-    tm.data = mask_bytes;
-    tm.device.device_type = kDLCPU;
-    tm.ndim = 2;
-    tm.dtype.code = DATTN_DL_BOOL;
-    tm.dtype.bits = 8;
-    tm.dtype.lanes = 1;
-    tm.shape = NULL;
-    memset(&tc, 0, sizeof tc);
-    tc.data = cu;
-    tc.device.device_type = kDLCPU;
-    tc.ndim = 1;
-    tc.dtype.code = kDLInt;
-    tc.dtype.bits = 32;
-    tc.dtype.lanes = 1;
-    tc.shape = NULL;
+    tm = cpu_tensor(mask_bytes, DATTN_DL_BOOL, 8, 2, NULL, NULL);
+    tc = cpu_tensor(cu, kDLInt, 32, 1, NULL, NULL);
     for (n = 0; n < sizeof out / sizeof *out; ++n) out[n] = 42.0f;
     dattn_call_init(&call);
     call.attn_mask = &tm;
