@@ -105,9 +105,11 @@ def when_imported(module: str, patch) -> None:
     import importlib.machinery
 
     loaded = sys.modules.get(module)
-    if loaded is not None and not getattr(getattr(loaded, "__spec__", None), "_initializing",
-                                          False):
-        patch()
+    if loaded is not None:
+        if getattr(getattr(loaded, "__spec__", None), "_initializing", False):
+            _PENDING.append(patch)  # half-way through its import: apply() runs it later
+        else:
+            patch()
         return
 
     class _AfterImport(importlib.abc.MetaPathFinder):
@@ -127,8 +129,11 @@ def when_imported(module: str, patch) -> None:
             spec.loader.exec_module = exec_module
             return spec
 
-    if loaded is None:
-        sys.meta_path.insert(0, _AfterImport())
+    sys.meta_path.insert(0, _AfterImport())
+
+
+#: Patches whose module was half-way through its import when they were asked for.
+_PENDING: list = []
 
 
 def apply_early() -> None:
@@ -142,6 +147,8 @@ def apply_early() -> None:
 def apply() -> None:
     """Every patch of :data:`PATCHES` this vllm-omni needs, and the call log where asked for.
     Safe to run several times; a patch whose engine module is missing is skipped."""
+    while _PENDING:
+        _PENDING.pop()()
     serve_engine_sdpa()
     if applies("block_sparse"):
         serve_block_sparse_spec()
