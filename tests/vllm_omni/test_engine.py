@@ -139,10 +139,15 @@ def test_sequence_parallel_ranks_equal_one_process(engine, models, sdpa_runs):
 
 def test_joint_text_under_ulysses_equals_one_process(engine, models):
     """Qwen-Image's text comes as joint tokens; Ulysses joins them into Q/K/V itself, and dattn
-    does not attach them again."""
+    does not attach them again (text attended twice would move the image by many levels).
+    bf16: usually bit for bit, but one CI run of 2026-12-07 had 7526 of 49152 values one PNG
+    level apart (the one-process image was the usual one; not reproduced in 8 runs since), so
+    the bound is one level at most and a quarter of a level on average; Wan in f32
+    (test_sequence_parallel_ranks_equal_one_process) is the bit-for-bit test."""
     one = ok(engine(models("qwen"), IMAGE, backend="DATTN"))
     two = ok(engine(models("qwen"), IMAGE, backend="DATTN", ulysses=2, timeout=360))
-    assert np.array_equal(one.outputs[0], two.outputs[0])
+    worst, mean = differs(one.outputs[0], two.outputs[0])
+    assert worst <= LEVEL + 1e-6 and mean <= LEVEL / 4, (worst, mean)
     only_dattn(two)
 
 
