@@ -92,21 +92,30 @@ test: build
 	  $(MAKE) --no-print-directory wheel && \
 	  echo "dattn: Python tests ($(VENV)/bin/pytest tests/python, dattn from the installed wheel)" && \
 	  cd /tmp && $(PY) -c "import dattn; print('dattn: testing', dattn.__file__)" && cd $(CURDIR) && \
-	  $(VENV)/bin/pytest -q -p no:cacheprovider tests/python; \
+	  $(VENV)/bin/pytest -q -p no:cacheprovider --durations=12 tests/python; \
 	else \
 	  echo "dattn: SKIPPED the Python tests under PRESET=$(PRESET): no Python module there (sanitizers)"; \
 	fi
 
 # CTest once more per CPU class in CPU_CLASSES, as if the CPU had only that class's features
 # (DATTN_CPU_FEATURES, docs/architecture.md): a test that assumes a feature fails on every
-# machine, not only on the class that lacks it. The out-of-memory probes and the CLI smoke run
-# (large workloads, minutes on the portable engine) run only unmasked, in `make test`.
+# machine, not only on the class that lacks it. Only the tests whose behaviour can depend on
+# the class run masked (engine selection, kernels, conformance, skips, peaks); these run only
+# unmasked, in `make test`, where they give the same answer on every class:
+#   the out-of-memory probes and the CLI smoke run (large workloads, minutes on the portable
+#   engine); REFERENCE's own tests and its conformance cases, and the conformance suite's
+#   MINIMAL_TEST backend (which computes with REFERENCE): plain loops, no engine; the portable
+#   and portable_int8 engines named through DATTN_ISA (flash_conformance_isa_portable*: no SIMD,
+#   nothing read from the CPU's features); the safetensors reader, dtypes, tensor views and
+#   DLPack; the validation errors of SPEC §13 (raised before any plan); the bar chart; the CLI's
+#   flag errors (cli_flags) and cli_config (which sets DATTN_CPU_FEATURES itself).
 CPU_CLASSES ?= avx2 portable
-MASKED_EXCLUDE := OutOfMemory|cli_smoke
+MASKED_EXCLUDE := OutOfMemory|cli_smoke|cli_config|cli_flags|^Reference\.|/(REFERENCE|MINIMAL_TEST)(_|$$)|flash_conformance_isa_portable(_int8)?$$|^Safetensors\.|^(DType|TensorView|DLPack)\.|^Spec13/Errors\.|^BarChart
 test-cpu-classes: build
 	@for c in $(CPU_CLASSES); do \
 	  echo "dattn: CTest with DATTN_CPU_FEATURES=$$c (without $(MASKED_EXCLUDE))"; \
 	  DATTN_CPU_FEATURES=$$c ctest --preset $(PRESET) -E '$(MASKED_EXCLUDE)' -j2 --output-on-failure \
+	    --output-junit ctest-junit-$$c.xml \
 	    > $(BUILD)/ctest-$$c.log 2>&1 || { tail -n 60 $(BUILD)/ctest-$$c.log; exit 1; }; \
 	  grep -E "tests passed" $(BUILD)/ctest-$$c.log; \
 	done
@@ -121,20 +130,28 @@ asan:
 	$(MAKE) test PRESET=asan
 
 # The libFuzzer targets of tests/fuzz (clang, ASan + UBSan, build/fuzz), each run for
-# FUZZ_SECONDS from its seed corpus (tests/fuzz/corpus/<target>); new inputs go to
-# build/fuzz/corpus/<target>, crashing ones to build/fuzz/artifacts/. Fails on any finding.
+# FUZZ_SECONDS from its seed corpus (tests/fuzz/corpus/<target>), all of them at once (one
+# process each: libFuzzer runs on one core); new inputs go to build/fuzz/corpus/<target>,
+# crashing ones to build/fuzz/artifacts/, each target's output to build/fuzz/<target>.log.
+# Fails on any finding, naming the target.
 fuzz:
 	$(MAKE) deps DEBIAN_PACKAGES="$(DEBIAN_PACKAGES) $(FUZZ_DEBIAN_PACKAGES)"
 	cmake --preset fuzz
 	cmake --build --preset fuzz
-	@for t in $(FUZZ_TARGETS); do \
+	@pids=""; for t in $(FUZZ_TARGETS); do \
 	  mkdir -p build/fuzz/corpus/$$t build/fuzz/artifacts && \
-	  echo "dattn: fuzzing $$t for $(FUZZ_SECONDS) s" && \
-	  build/fuzz/tests/fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
-	    -dict=tests/fuzz/json.dict -print_final_stats=1 \
-	    -artifact_prefix=build/fuzz/artifacts/$$t- build/fuzz/corpus/$$t tests/fuzz/corpus/$$t \
-	    || exit 1; \
-	done
+	  echo "dattn: fuzzing $$t for $(FUZZ_SECONDS) s (build/fuzz/$$t.log)" && \
+	  { build/fuzz/tests/fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 \
+	      -dict=tests/fuzz/json.dict -print_final_stats=1 \
+	      -artifact_prefix=build/fuzz/artifacts/$$t- build/fuzz/corpus/$$t tests/fuzz/corpus/$$t \
+	      > build/fuzz/$$t.log 2>&1 & } ; pids="$$pids $$!:$$t"; \
+	done; \
+	failed=""; for p in $$pids; do \
+	  t=$${p#*:}; \
+	  if wait $${p%%:*}; then grep -E "^(Done|stat::number_of_executed_units)" build/fuzz/$$t.log | sed "s/^/$$t: /"; \
+	  else echo "dattn: fuzzing $$t FAILED:"; tail -n 80 build/fuzz/$$t.log; failed="$$failed $$t"; fi; \
+	done; \
+	[ -z "$$failed" ] || { echo "dattn: fuzz findings in:$$failed (inputs in build/fuzz/artifacts/)"; exit 1; }
 
 format:
 	git ls-files '*.cpp' '*.hpp' | xargs clang-format -i
@@ -248,9 +265,11 @@ vllm-omni-env: wheel
 	    $$(ls $(WHEEL_DIR)/dattn-*.whl); \
 	fi
 
+# Two pytest-xdist workers: each engine process spends most of its ~12 s importing vLLM on one
+# core; the tests that share a TORCH_SDPA run are one group (tests/vllm_omni/test_engine.py).
 vllm-omni-check: vllm-omni-env
 	cd /tmp && DATTN_REQUIRE_ENGINE=1 $(CURDIR)/$(VLLM_OMNI_VENV)/bin/python -m pytest -q \
-	  -p no:cacheprovider --durations=0 $(CURDIR)/tests/vllm_omni
+	  -p no:cacheprovider -n 2 --dist loadgroup --durations=0 $(CURDIR)/tests/vllm_omni
 
 # ComfyUI (not on PyPI: a checkout of its repository, COMFYUI_DIR) imported as a library in
 # .venv with requirements-comfyui.txt added (--no-deps), dattn's wheel, and the suite

@@ -18,6 +18,21 @@
 
 namespace dattn::testing {
 
+// True in the sanitizer builds (make asan: GCC's ASan + UBSan; clang's through __has_feature).
+// There the suites keep every code path but not every size: the long accuracy and conformance
+// cases run fewer shapes (each head size and dtype path once), as each says where it does so.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_UNDEFINED__)
+inline constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(undefined_behavior_sanitizer)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 // A tensor of `shape` filled with N(0, 1) values rounded to `dtype`.
 inline Tensor random_tensor(std::initializer_list<std::int64_t> shape, DType dtype,
                             std::uint32_t seed, float stddev = 1.0f) {

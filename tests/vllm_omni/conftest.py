@@ -24,6 +24,13 @@ except Exception as e:  # pragma: no cover - the environment decides
                 f"this suite in its environment", allow_module_level=True)
 
 sys.path.insert(0, str(HERE))
+
+
+def pytest_configure(config):
+    # pytest-xdist registers it too; without xdist the mark only groups nothing.
+    config.addinivalue_line("markers", "xdist_group(name): run on one pytest-xdist worker")
+
+
 import pipelines  # noqa: E402
 from process_group import run_process  # noqa: E402
 

@@ -83,8 +83,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,dtype,backend,requests,max_bound,mean_bound,computes", CASES,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def same_reference(name, dtype):
+    """make vllm-omni-check runs the suite on two pytest-xdist workers (--dist loadgroup): the
+    tests that compare against one TORCH_SDPA run (sdpa_runs, per worker) share a group, so
+    that run is made once."""
+    return pytest.mark.xdist_group(f"sdpa-{name}-{dtype}")
+
+
+@pytest.mark.parametrize("name,dtype,backend,requests,max_bound,mean_bound,computes",
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}",
+                                       marks=same_reference(c[0], c[1])) for c in CASES])
 def test_a_backend_against_the_engines_sdpa(engine, models, sdpa_runs, name, dtype, backend,
                                             requests, max_bound, mean_bound, computes):
     want = reference(engine, models, sdpa_runs, name, dtype, requests)
@@ -96,6 +104,7 @@ def test_a_backend_against_the_engines_sdpa(engine, models, sdpa_runs, name, dty
     only_dattn(got, computes)
 
 
+@same_reference("wan", "bfloat16")
 def test_video_sparse_through_the_engines_attention_config_keeps_its_dense_steps(
         engine, models, sdpa_runs):
     """VIDEO_SPARSE named in the engine's own attention config with its block-sparse options

@@ -32,21 +32,44 @@ double at4(const TensorView& t, i64 b, i64 s, i64 h, i64 e) {
                      b * t.stride(0) + s * t.stride(1) + h * t.stride(2) + e * t.stride(3));
 }
 
-// The row loop shared by dense and paged calls.
+// The row loop shared by dense and paged calls. The keys and values of one (batch item, KV
+// head) are read once into panels (K transposed, [d][skv], so that a row's logits are one pass
+// over channels with the keys in the inner loop; V as rows, [skv][dv]), then every query row of
+// that KV head's group is computed against them. Each logit and each output channel is still
+// summed in f64 in the natural order (channels for a logit, keys for an output), so the panels
+// change the speed, not the arithmetic.
 class RowComputer {
  public:
   explicit RowComputer(const AttentionProblem& p) : p_(p), f_(p.laser_input_scale) {
     scale_ = p.softmax_scale * f_ * f_;
+    const std::size_t skv = std::size_t(std::max<i64>(p.skv, 0));
     qrow_.resize(std::size_t(p.d));
-    logits_.resize(std::size_t(std::max<i64>(p.skv, 0)));
+    logits_.resize(skv);
     acc_.resize(std::size_t(p.dv));
+    kt_.resize(std::size_t(p.d) * skv);
+    v_.resize(skv * std::size_t(p.dv));
   }
 
-  // Computes query row `i` of batch item `b` for every head.
-  void compute(i64 b, i64 i) {
+  // Reads every key and value row of batch item `b`, KV head `hk` into the panels.
+  void load_kv(i64 b, i64 hk) {
+    const std::size_t skv = std::size_t(p_.skv);
+    for (i64 j = 0; j < p_.skv; ++j) {
+      const RowRef kr = p_.k_row(j);
+      for (i64 e = 0; e < p_.d; ++e)
+        kt_[std::size_t(e) * skv + std::size_t(j)] = float(at4(*kr.view, b, kr.row, hk, e));
+      const RowRef vr = p_.v_row(j);
+      float* vrow = v_.data() + std::size_t(j) * std::size_t(p_.dv);
+      for (i64 e = 0; e < p_.dv; ++e) vrow[e] = float(at4(*vr.view, b, vr.row, hk, e));
+    }
+  }
+
+  // Computes query row `i` of batch item `b` for the query heads of KV head `hk` (whose keys
+  // and values load_kv read last).
+  void compute(i64 b, i64 i, i64 hk) {
     const Segment* seg = find_segment(b, i);
     const bool padded = seg == nullptr || (p_.zero_masked_query_rows && !p_.mask.keeps_key(b, i));
-    for (i64 h = 0; h < p_.hq; ++h) {
+    const i64 group = p_.group_size();
+    for (i64 h = hk * group; h < (hk + 1) * group; ++h) {
       if (padded) {
         write(b, i, h, nullptr, 0.0, kNegInf);
         continue;
@@ -86,12 +109,35 @@ class RowComputer {
     return 0.0;
   }
 
+  // logits_[j] = sum over channels of q[e] * k[j][e] / f, for keys [j0, j1).
+  void dots(i64 j0, i64 j1) {
+    const std::size_t skv = std::size_t(p_.skv);
+    std::fill(logits_.begin() + j0, logits_.begin() + j1, 0.0);
+    for (i64 e = 0; e < p_.d; ++e) {
+      const double q = qrow_[std::size_t(e)];
+      const float* k = kt_.data() + std::size_t(e) * skv;
+      double* s = logits_.data();
+      // Each key's sum is its own lane: vectorising over keys keeps every sum's order.
+      if (f_ == 1.0) {
+#pragma omp simd
+        for (i64 j = j0; j < j1; ++j) s[j] += q * double(k[j]);
+      } else {
+#pragma omp simd
+        for (i64 j = j0; j < j1; ++j) s[j] += q * (double(k[j]) / f_);
+      }
+    }
+  }
+
   void head(const Segment& seg, i64 b, i64 i, i64 h) {
-    const i64 hk = h / p_.group_size();
     const RowRef qr = p_.q_row(i);
     for (i64 e = 0; e < p_.d; ++e) qrow_[std::size_t(e)] = at4(*qr.view, b, qr.row, h, e) / f_;
     const i64 pos_q = seg.q_pos0 + (i - seg.q_begin);
     const i64 limit = p_.key_position_limit(pos_q);
+    // Keys at positions >= limit are hidden: the visible ones are a prefix of the segment's.
+    const i64 k_end = limit <= seg.k_pos0
+                          ? seg.k_begin
+                          : seg.k_begin + std::min(seg.k_end - seg.k_begin, limit - seg.k_pos0);
+    dots(seg.k_begin, k_end);
     // The row rule of docs/semantics.md: a visible logit that is NaN or +inf (or a dot product
     // that is not finite: Q or K held an inf or NaN) poisons the row, and so does a value that
     // is not finite in a V row it attends; -inf hides a key; no visible key gives zeros.
@@ -99,14 +145,16 @@ class RowComputer {
     bool poisoned = false;
     for (i64 j = seg.k_begin; j < seg.k_end; ++j) {
       double& s = logits_[std::size_t(j)];
-      s = kNegInf;
-      if (seg.k_pos0 + (j - seg.k_begin) >= limit) continue;
+      if (j >= k_end) {
+        s = kNegInf;
+        continue;
+      }
       const double bias = mask_bias(b, h, i, j);
-      if (bias == kNegInf) continue;
-      const RowRef kr = p_.k_row(j);
-      double dot = 0.0;
-      for (i64 e = 0; e < p_.d; ++e)
-        dot += qrow_[std::size_t(e)] * (at4(*kr.view, b, kr.row, hk, e) / f_);
+      if (bias == kNegInf) {
+        s = kNegInf;
+        continue;
+      }
+      const double dot = s;
       s = std::isfinite(dot) ? scale_ * dot + bias : std::numeric_limits<double>::quiet_NaN();
       if (std::isnan(s) || s == -kNegInf) poisoned = true;
       if (s > m) m = s;
@@ -126,9 +174,15 @@ class RowComputer {
       if (s == kNegInf) continue;
       const double w = std::exp(s - m);
       sum += w;
-      const RowRef vr = p_.v_row(j);
-      for (i64 e = 0; e < p_.dv; ++e)
-        acc_[std::size_t(e)] += w * (at4(*vr.view, b, vr.row, hk, e) / f_);
+      const float* v = v_.data() + std::size_t(j) * std::size_t(p_.dv);
+      double* acc = acc_.data();
+      if (f_ == 1.0) {
+#pragma omp simd
+        for (i64 e = 0; e < p_.dv; ++e) acc[e] += w * double(v[e]);
+      } else {
+#pragma omp simd
+        for (i64 e = 0; e < p_.dv; ++e) acc[e] += w * (double(v[e]) / f_);
+      }
     }
     for (double x : acc_)
       if (!std::isfinite(x)) {
@@ -161,6 +215,7 @@ class RowComputer {
   double f_;
   double scale_;
   std::vector<double> qrow_, logits_, acc_;
+  std::vector<float> kt_, v_;  // one (batch item, KV head)'s keys [d][skv] and values [skv][dv]
 };
 
 // Query rows to compute: all, or the "reference_rows" option.
@@ -213,7 +268,10 @@ void compute_problem(const AttentionProblem& problem) {
   }
   RowComputer rc(p);
   for (i64 b = 0; b < p.batch; ++b)
-    for (i64 i : rows) rc.compute(b, i);
+    for (i64 hk = 0; hk < p.hkv; ++hk) {
+      rc.load_kv(b, hk);
+      for (i64 i : rows) rc.compute(b, i, hk);
+    }
 }
 
 // [T, H, E] rows [t0, t0 + n) as a [1, n, H, E] view.
@@ -271,7 +329,10 @@ class ReferenceImpl final : public Impl {
       if (r.query_len > 0)
         p.segments.push_back({0, 0, r.query_len, 0, r.seq_len, r.seq_len - r.query_len, 0});
       RowComputer rc(p);
-      for (i64 i = 0; i < p.sq; ++i) rc.compute(0, i);
+      for (i64 hk = 0; hk < p.hkv; ++hk) {
+        rc.load_kv(0, hk);
+        for (i64 i = 0; i < p.sq; ++i) rc.compute(0, i, hk);
+      }
       t0 += r.query_len;
     }
   }
