@@ -108,9 +108,10 @@ test: build
 #   and portable_int8 engines named through DATTN_ISA (flash_conformance_isa_portable*: no SIMD,
 #   nothing read from the CPU's features); the safetensors reader, dtypes, tensor views and
 #   DLPack; the validation errors of SPEC §13 (raised before any plan); the bar chart; the CLI's
-#   flag errors (cli_flags) and cli_config (which sets DATTN_CPU_FEATURES itself).
+#   flag errors (cli_flags) and cli_config (which sets DATTN_CPU_FEATURES itself); the process's
+#   buffers and the memory layers keep (ProcessMemory*, LayerMemory: allocation, not arithmetic).
 CPU_CLASSES ?= avx2 portable
-MASKED_EXCLUDE := OutOfMemory|cli_smoke|cli_config|cli_flags|^Reference\.|/(REFERENCE|MINIMAL_TEST)(_|$$)|flash_conformance_isa_portable(_int8)?$$|^Safetensors\.|^(DType|TensorView|DLPack)\.|^Spec13/Errors\.|^BarChart
+MASKED_EXCLUDE := OutOfMemory|cli_smoke|cli_config|cli_flags|^Reference\.|/(REFERENCE|MINIMAL_TEST)(_|$$)|flash_conformance_isa_portable(_int8)?$$|^Safetensors\.|^(DType|TensorView|DLPack)\.|^Spec13/Errors\.|^BarChart|^ProcessMemory|^LayerMemory\.
 test-cpu-classes: build
 	@for c in $(CPU_CLASSES); do \
 	  echo "dattn: CTest with DATTN_CPU_FEATURES=$$c (without $(MASKED_EXCLUDE))"; \

@@ -33,7 +33,8 @@ class OutOfMemory : public ::testing::TestWithParam<std::pair<const char*, const
 
 TEST_P(OutOfMemory, ReachesTheCallerAtEveryLimit) {
   const auto [backend, dtype] = GetParam();
-  const std::string probe = std::string(DATTN_OOM_PROBE) + " ";
+  std::string probe = DATTN_OOM_PROBE;
+  probe += ' ';
   const std::string args = std::string(backend) + " " + dtype;
   const Result m = run("OMP_NUM_THREADS=2 " + probe + "measure " + args);
   ASSERT_EQ(m.status, 0) << m.out;

@@ -126,6 +126,24 @@ DATTN_C_API const char* dattn_last_error_field(void);
  * `status`. */
 DATTN_C_API int dattn_set_last_error(int status, const char* field, const char* message);
 
+/* What dattn holds between calls (docs/architecture.md, "Memory"): its large buffers are
+ * mappings of the process, shared by every layer; those a call has finished with stay idle for
+ * the next calls, at most as many as the calls in flight have held at once. */
+typedef struct dattn_memory_stats {
+  size_t struct_size;     /* sizeof(dattn_memory_stats): set it before the call */
+  size_t idle_bytes;      /* kept for the next calls (what dattn_empty_cache returns) */
+  size_t idle_buffers;
+  size_t in_use_bytes;    /* leased to calls in flight, or results not yet freed */
+  size_t calls_in_flight;
+  size_t live_layers;     /* layers (C and C++) alive in the process */
+} dattn_memory_stats;
+/* Fills `stats` (the fields its struct_size covers); NULL or a too small struct_size is
+ * DATTN_INVALID_ARGUMENT. */
+DATTN_C_API int dattn_get_memory_stats(dattn_memory_stats* stats);
+/* Returns dattn's idle buffers to the operating system; returns the bytes returned. Buffers in
+ * use are untouched; done also when the process's last layer is destroyed. Any thread, any time. */
+DATTN_C_API size_t dattn_empty_cache(void);
+
 /* The library's version ("0.1.0") and ABI version (DATTN_ABI_VERSION it was built with). */
 DATTN_C_API const char* dattn_version(void);
 DATTN_C_API int dattn_abi_version(void);

@@ -38,6 +38,7 @@ from .backends import (
     get_backend,
     measure_peak_gflops,
 )
+from .memory import empty_cache, memory_stats
 from .sdpa import patch_torch_sdpa, scaled_dot_product_attention
 
 
@@ -48,6 +49,7 @@ def set_num_threads(threads):
     from .torch_layer import set_num_threads as _set
 
     _set(threads)
+
 
 __version__ = "0.1.0"
 
@@ -70,9 +72,11 @@ __all__ = [
     "VideoTokenSpan",
     "backends",
     "cpu_info",
+    "empty_cache",
     "flash_engines",
     "get_backend",
     "measure_peak_gflops",
+    "memory_stats",
     "patch_torch_sdpa",
     "scaled_dot_product_attention",
     "set_num_threads",

@@ -80,13 +80,41 @@ def tensor_arg(x, field: str):
     )
 
 
+#: Outputs from this size on live in dattn's result memory (dattn._core.result_capsule /
+#: ResultBuffer: a mapping of the process's, never a block of the C heap that the small
+#: objects layers keep could pin; docs/architecture.md, "Memory"); smaller ones are the
+#: framework's own (torch.empty, np.empty).
+RESULT_MAP_BYTES = 64 << 10
+
+_TORCH_DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for e in shape:
+        n *= int(e)
+    return n
+
+
 def empty_like_input(shape, like, dtype=None):
     """A new tensor of `shape` of the kind of `like` (torch or numpy), `dtype` or like's."""
+    from . import _core
+
+    shape = tuple(int(e) for e in shape)
     if is_torch(like):  # on like's device: never torch's default device (set_default_device)
-        return _torch().empty(tuple(shape), dtype=like.dtype if dtype is None else dtype,
-                              device=like.device)
+        torch = _torch()
+        dt = like.dtype if dtype is None else dtype
+        name = _TORCH_DTYPE_NAMES.get(str(dt).replace("torch.", ""))
+        if (like.device.type == "cpu" and name is not None
+                and _numel(shape) * dt.itemsize >= RESULT_MAP_BYTES):
+            return torch.from_dlpack(_core.result_capsule(list(shape), name))
+        return torch.empty(shape, dtype=dt, device=like.device)
     if is_numpy(like):
-        return np.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype)
+        dt = np.dtype(like.dtype if dtype is None else dtype)
+        nbytes = _numel(shape) * dt.itemsize
+        if nbytes >= RESULT_MAP_BYTES:
+            return np.frombuffer(_core.ResultBuffer(nbytes), dtype=dt).reshape(shape)
+        return np.empty(shape, dtype=dt)
     raise _with_field(InvalidArgument, "query: expected a torch.Tensor or numpy.ndarray", "query")
 
 

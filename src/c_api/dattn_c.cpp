@@ -16,6 +16,7 @@
 #include "core/strings.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/errors.hpp"
+#include "dattn/memory.hpp"
 #include "dattn/metadata.hpp"
 #include "dattn/tensor.hpp"
 #include "dattn/threads.hpp"
@@ -236,6 +237,28 @@ int dattn_set_last_error(int status, const char* field, const char* message) {
   } catch (...) {
     return status;  // the message could not be stored (out of memory)
   }
+}
+
+int dattn_get_memory_stats(dattn_memory_stats* stats) {
+  return guarded([&] {
+    if (stats == nullptr) return fail(DATTN_INVALID_ARGUMENT, "stats", "stats: is NULL");
+    if (stats->struct_size < sizeof(dattn_memory_stats))
+      return fail(DATTN_INVALID_ARGUMENT, "stats.struct_size",
+                  "stats.struct_size = " + std::to_string(stats->struct_size) +
+                      " is not valid; want " + std::to_string(sizeof(dattn_memory_stats)) +
+                      " (sizeof(dattn_memory_stats))");
+    const dattn::MemoryStats m = dattn::memory_stats();
+    stats->idle_bytes = m.idle_bytes;
+    stats->idle_buffers = m.idle_buffers;
+    stats->in_use_bytes = m.in_use_bytes;
+    stats->calls_in_flight = m.calls_in_flight;
+    stats->live_layers = m.live_layers;
+    return int(DATTN_OK);
+  });
+}
+
+size_t dattn_empty_cache(void) {
+  return dattn::empty_cache();
 }
 
 const char* dattn_version(void) {

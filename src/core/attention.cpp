@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/prepare_call.hpp"
+#include "core/process_memory.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -61,7 +62,17 @@ struct ImplSlot {
 
 }  // namespace
 
+// One live layer of the process for the State's lifetime (the last one gone empties the process's
+// idle buffers: include/dattn/memory.hpp).
+struct LiveLayer {
+  LiveLayer() { detail::ProcessMemory::instance().layer_created(); }
+  ~LiveLayer() { detail::ProcessMemory::instance().layer_destroyed(); }
+  LiveLayer(const LiveLayer&) = delete;
+  LiveLayer& operator=(const LiveLayer&) = delete;
+};
+
 struct Attention::State {
+  LiveLayer live;
   AttentionConfig config;
   double scale = 1.0;
   std::int64_t num_kv_heads = 0;
@@ -234,6 +245,7 @@ const Backend& Attention::forward_into(const TensorView& q, const TensorView& k,
                                        const TensorView& out,
                                        const std::optional<TensorView>& lse) const {
   State& s = *state_;
+  const detail::ProcessMemory::CallScope in_flight;
   const AttentionInputs inputs{q, k, v, &metadata, out, lse};
   if (!s.config.parallel) return s.run_local(inputs, s.config, s.num_kv_heads);
   const ParallelContext context{s.config.qkv_layout, s.config.num_heads, s.num_kv_heads,
@@ -303,6 +315,7 @@ ForwardResult Attention::forward(const TensorView& q, const TensorView& k, const
 
 void Attention::forward_paged(const PagedAttentionCall& call) const {
   State& s = *state_;
+  const detail::ProcessMemory::CallScope in_flight;
   if (!s.primary->backend->supports_paged_kv())
     throw Unsupported("supports_paged_kv", "backend " + s.primary->backend->name() +
                                                " does not support paged KV attention");

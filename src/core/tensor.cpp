@@ -7,6 +7,7 @@
 #include <sstream>
 #include <vector>
 
+#include "core/process_memory.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -170,9 +171,11 @@ Tensor Tensor::empty(std::span<const std::int64_t> shape, DType dtype) {
   }
   const std::size_t bytes = std::max<std::size_t>(64, std::size_t(n) * dtype_size(dtype));
   const std::size_t rounded = (bytes + 63) / 64 * 64;
-  std::byte* raw = static_cast<std::byte*>(::operator new[](rounded, std::align_val_t{64}));
+  // The process's result memory (core/process_memory.hpp): a large tensor is a mapping of its
+  // own, never a block of the C heap that small long-lived objects could pin.
+  std::byte* raw = static_cast<std::byte*>(detail::ProcessMemory::instance().allocate(rounded));
   t.storage_ = std::shared_ptr<std::byte[]>(
-      raw, [](std::byte* p) { ::operator delete[](p, std::align_val_t{64}); });
+      raw, [](std::byte* p) { detail::ProcessMemory::instance().release(p); });
   t.view_ = TensorView(raw, dtype, shape);
   return t;
 }

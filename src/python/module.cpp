@@ -27,6 +27,7 @@
 #include "dattn/cpu_info.hpp"
 #include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
+#include "dattn/memory.hpp"
 #include "dattn/page_pool.hpp"
 #include "dattn/paged.hpp"
 #include "dattn/registry.hpp"
@@ -597,6 +598,88 @@ void raise_python(const char* name, const Error& e) {
 }
 
 }  // namespace
+// ---- result memory: the outputs the Python package allocates ----
+
+// One result's memory (dattn::allocate_result: from 64 KiB on a mapping of the process's, never
+// a block of the C heap that the small objects layers keep could pin), owned by this object
+// until it is freed. numpy reads it through the buffer protocol (np.frombuffer keeps it alive).
+class ResultBuffer {
+ public:
+  explicit ResultBuffer(std::size_t bytes) : bytes_(bytes), data_(allocate_result(bytes)) {}
+  ~ResultBuffer() { release_result(data_); }
+  ResultBuffer(const ResultBuffer&) = delete;
+  ResultBuffer& operator=(const ResultBuffer&) = delete;
+  void* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  std::size_t bytes_;
+  void* data_;
+};
+
+// A DLPack capsule ("dltensor") of a new compact tensor of `shape` and `dtype` (f32, f16, bf16)
+// in result memory, which the capsule's consumer (torch.from_dlpack) frees through its deleter:
+// no Python object is involved once it is handed over.
+py::capsule result_capsule(const std::vector<i64>& shape, const std::string& dtype) {
+  struct Owned {
+    DLManagedTensor managed{};
+    std::vector<std::int64_t> shape, strides;
+    void* data = nullptr;
+  };
+  DLDataType dl{};
+  if (dtype == "f32")
+    dl = DLDataType{kDLFloat, 32, 1};
+  else if (dtype == "f16")
+    dl = DLDataType{kDLFloat, 16, 1};
+  else if (dtype == "bf16")
+    dl = DLDataType{kDLBfloat, 16, 1};
+  else
+    invalid("dtype", "'" + dtype + "' is not valid; valid: f32, f16, bf16");
+  if (shape.size() > std::size_t(TensorView::kMaxDims))
+    invalid("shape", "has " + std::to_string(shape.size()) + " dims; at most 6 are supported");
+  std::size_t n = 1;
+  for (const i64 e : shape) {
+    if (e < 0) invalid("shape", "has a negative extent");
+    n *= std::size_t(e);
+  }
+  auto owned = std::make_unique<Owned>();
+  owned->shape.assign(shape.begin(), shape.end());
+  owned->strides.resize(shape.size());
+  i64 stride = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    owned->strides[i] = stride;
+    stride *= std::max<i64>(shape[i], 1);
+  }
+  owned->data = allocate_result(std::max<std::size_t>(n * (dl.bits / 8), 1));
+  DLTensor& t = owned->managed.dl_tensor;
+  t.data = owned->data;
+  t.device = DLDevice{kDLCPU, 0};
+  t.ndim = static_cast<std::int32_t>(shape.size());
+  t.dtype = dl;
+  t.shape = owned->shape.data();
+  t.strides = owned->strides.data();
+  t.byte_offset = 0;
+  owned->managed.manager_ctx = owned.get();
+  owned->managed.deleter = [](DLManagedTensor* self) {
+    auto* o = static_cast<Owned*>(self->manager_ctx);
+    release_result(o->data);
+    delete o;
+  };
+  // Not consumed (the capsule still named "dltensor" when it dies): free it here.
+  PyObject* cap = PyCapsule_New(&owned->managed, "dltensor", [](PyObject* c) {
+    if (PyCapsule_IsValid(c, "dltensor")) {
+      auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+      managed->deleter(managed);
+    }
+  });
+  if (cap == nullptr) {
+    release_result(owned->data);
+    throw py::error_already_set();
+  }
+  owned.release();
+  return py::reinterpret_steal<py::capsule>(cap);
+}
+
 }  // namespace dattn::python
 
 PYBIND11_MODULE(_core, m) {
@@ -615,6 +698,27 @@ PYBIND11_MODULE(_core, m) {
     } catch (const Error& e) {
       raise_python("Error", e);
     }
+  });
+
+  py::class_<ResultBuffer>(m, "ResultBuffer", py::buffer_protocol())
+      .def(py::init<std::size_t>())
+      .def_property_readonly("nbytes", &ResultBuffer::bytes)
+      .def_buffer([](ResultBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {py::ssize_t(b.bytes())}, {py::ssize_t(1)});
+      });
+  m.def("result_capsule", &result_capsule, py::arg("shape"), py::arg("dtype"));
+  m.def("empty_cache", [] { return empty_cache(); });
+  m.def("memory_stats", [] {
+    const MemoryStats s = memory_stats();
+    py::dict d;
+    d["idle_bytes"] = s.idle_bytes;
+    d["idle_buffers"] = s.idle_buffers;
+    d["idle_limit"] = s.idle_limit;
+    d["in_use_bytes"] = s.in_use_bytes;
+    d["calls_in_flight"] = s.calls_in_flight;
+    d["live_layers"] = s.live_layers;
+    return d;
   });
 
   py::class_<Layer>(m, "Layer")

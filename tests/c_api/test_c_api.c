@@ -263,8 +263,39 @@ int main(void) {
     CHECK(strcmp(dattn_last_error_field(), "query") == 0);
     for (n = 0; n < sizeof out / sizeof *out; ++n) CHECK(out[n] == 42.0f);
   }
+  /* The memory dattn keeps between calls: the buffers of finished calls stay idle, shared by
+   * every layer, until dattn_empty_cache (or the last layer's destruction) returns them. */
+  {
+    dattn_memory_stats stats, small;
+    size_t returned;
+    memset(&stats, 0xff, sizeof stats);
+    stats.struct_size = sizeof stats;
+    CHECK(dattn_forward(layer, &tq, &tk, &tv, NULL, &to, NULL) == DATTN_OK);
+    CHECK(dattn_get_memory_stats(&stats) == DATTN_OK);
+    CHECK(stats.live_layers == 1 && stats.calls_in_flight == 0);
+    CHECK(stats.idle_buffers > 0 && stats.idle_bytes > 0);
+    returned = dattn_empty_cache();
+    CHECK(returned == stats.idle_bytes);
+    CHECK(dattn_get_memory_stats(&stats) == DATTN_OK);
+    CHECK(stats.idle_bytes == 0 && stats.idle_buffers == 0);
+    CHECK(dattn_empty_cache() == 0);
+    CHECK(dattn_forward(layer, &tq, &tk, &tv, NULL, &to, NULL) == DATTN_OK); /* maps anew */
+    reference(q, k, v, B, SQ, SKV, H, HKV, D, scale, NULL, -1, want, want_lse);
+    CHECK(max_diff(out, want, sizeof out / sizeof *out) < 1e-5);
+    small.struct_size = sizeof small - 1;
+    CHECK(dattn_get_memory_stats(&small) == DATTN_INVALID_ARGUMENT);
+    CHECK(strcmp(dattn_last_error_field(), "stats.struct_size") == 0);
+    CHECK(dattn_get_memory_stats(NULL) == DATTN_INVALID_ARGUMENT);
+    CHECK(strcmp(dattn_last_error_field(), "stats") == 0);
+  }
   dattn_layer_destroy(layer);
   dattn_layer_destroy(NULL);
+  {
+    dattn_memory_stats stats;
+    stats.struct_size = sizeof stats;
+    CHECK(dattn_get_memory_stats(&stats) == DATTN_OK);
+    CHECK(stats.live_layers == 0 && stats.idle_bytes == 0); /* the last layer empties */
+  }
 
   /* Options as "key=value" strings, checked as the CLI checks them. */
   {

@@ -59,6 +59,12 @@ def test_the_node_runs_the_model_on_dattn(node, wan_model):
     got = sample(patched)
     ov = override_of(patched)
     assert isinstance(ov, dattn.comfyui.Override) and ov.calls > 0 and not ov.fallbacks
+    # ComfyUI's cleanup after sampling (CallbacksMP.ON_CLEANUP) gave dattn's idle buffers back.
+    from comfy.patcher_extension import CallbacksMP
+
+    for name in (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH):
+        assert len(patched.get_callbacks(name, dattn.comfyui.OPTIONS_KEY)) == 1
+    assert dattn.memory_stats()["idle_bytes"] == 0
     assert "optimized_attention_override" not in wan_model.model_options["transformer_options"]
     assert float((got - base).abs().max()) < 1e-3  # ComfyUI's sub_quad vs dattn, 4 steps
     (sage,) = node().patch(patched, "SAGE", "pv_dtype=int16")  # the later node wins

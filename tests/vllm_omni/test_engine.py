@@ -90,6 +90,11 @@ def same_reference(name, dtype):
     return pytest.mark.xdist_group(f"sdpa-{name}-{dtype}")
 
 
+#: The tests whose engines run several ranks (each rank a process importing the engine): one
+#: group, so that they run one after the other while the other worker runs one-process engines.
+multi_rank = pytest.mark.xdist_group("multi-rank")
+
+
 @pytest.mark.parametrize("name,dtype,backend,requests,max_bound,mean_bound,computes",
                          [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}",
                                        marks=same_reference(c[0], c[1])) for c in CASES])
@@ -126,6 +131,7 @@ def test_video_sparse_through_the_engines_attention_config_keeps_its_dense_steps
     assert not np.array_equal(run.outputs[0], dense.outputs[0])
 
 
+@multi_rank
 def test_sequence_parallel_ranks_equal_one_process(engine, models, sdpa_runs):
     """Wan (f32) on dattn: Ulysses x2, Ring x2 and Ulysses x Ring (4 ranks: more than this
     host's cores) equal one process (Ulysses bit for bit; Ring to f32 rounding), with no
@@ -146,6 +152,7 @@ def test_sequence_parallel_ranks_equal_one_process(engine, models, sdpa_runs):
         assert all(by[0].startswith("dattn") for _, by in by_layer), by_layer
 
 
+@multi_rank
 def test_joint_text_under_ulysses_equals_one_process(engine, models):
     """Qwen-Image's text comes as joint tokens; Ulysses joins them into Q/K/V itself, and dattn
     does not attach them again (text attended twice would move the image by many levels).

@@ -30,6 +30,7 @@ through a model wrapper (:mod:`dattn.comfyui.video`; docs/comfyui.md says what t
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -43,6 +44,14 @@ OPTIONS_KEY = "dattn"
 
 #: Backends a ComfyUI override may name (VIDEO_SPARSE needs the grid: patch_model).
 BACKENDS = ("FLASH", "SAGE", "REFERENCE", "VIDEO_SPARSE")
+
+
+#: Keywords ComfyUI passes to every call that cannot change the answer: its own bookkeeping.
+IGNORED_KEYWORDS = frozenset({"transformer_options", "_inside_attn_wrapper"})
+#: Keywords that change the answer, all of which dattn honours: the softmax scale (replacing
+#: ``dim_head ** -0.5``), K/V with fewer heads than Q, and ``low_precision_attention=False``
+#: (an exact answer: SAGE and VIDEO_SPARSE step aside for FLASH).
+HONOURED_KEYWORDS = frozenset({"scale", "enable_gqa", "low_precision_attention"})
 
 
 def _signature(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
@@ -99,10 +108,31 @@ class Override:
             self.client = ta.Client(f"comfyui:{name}:dense", "FLASH", flash)
         else:
             self.client = ta.Client(f"comfyui:{name}", name, options)
+        # Calls asking for an exact answer (low_precision_attention=False) while the backend is
+        # approximate: FLASH with its defaults, made on the first such call.
+        self._exact = self.client if name in ("FLASH", "REFERENCE") else None
+        self._exact_lock = threading.Lock()
+
+    def _exact_client(self):
+        from .. import torch_adapter as ta
+
+        with self._exact_lock:
+            if self._exact is None:
+                self._exact = ta.Client(f"comfyui:{self.backend}:exact", "FLASH", {})
+            return self._exact
 
     @property
     def calls(self) -> int:
-        return self.client.calls
+        """Calls dattn computed (those served exactly on FLASH for an approximate backend,
+        :attr:`exact_calls`, included)."""
+        exact = self._exact.calls if self._exact not in (None, self.client) else 0
+        return self.client.calls + exact
+
+    @property
+    def exact_calls(self) -> int:
+        """Calls of an approximate backend (SAGE, VIDEO_SPARSE) served on FLASH instead because
+        ComfyUI passed ``low_precision_attention=False``."""
+        return 0 if self._exact in (None, self.client) else self._exact.calls
 
     @property
     def fallbacks(self):
@@ -117,7 +147,7 @@ class Override:
     def __repr__(self) -> str:
         return (f"dattn.comfyui.Override(backend={self.backend!r}, "
                 f"backend_kwargs={self.backend_kwargs!r}, calls={self.calls}, "
-                f"fallbacks={dict(self.fallbacks)})")
+                f"exact_calls={self.exact_calls}, fallbacks={dict(self.fallbacks)})")
 
     def _fallback(self, reason, func, args, kwargs):
         from .. import torch_adapter as ta
@@ -130,6 +160,7 @@ class Override:
     def __call__(self, func, *args, **kwargs):
         from .. import torch_adapter as ta
 
+        args = _unwrapped(args)
         try:
             a = _SIGNATURE.bind(*args, **kwargs)
         except TypeError:
@@ -138,6 +169,18 @@ class Override:
         p = a.arguments
         q, k, v, mask = p["q"], p["k"], p["v"], p["mask"]
         heads = p["heads"]
+        extra = p["kwargs"]
+        unknown = sorted(set(extra) - IGNORED_KEYWORDS - HONOURED_KEYWORDS)
+        if unknown:  # it may change the answer: ComfyUI's function knows what it means
+            return self._fallback(f"keyword:{unknown[0]}", func, args, kwargs)
+        scale = extra.get("scale")
+        gqa = extra.get("enable_gqa", False)
+        exact = extra.get("low_precision_attention", True)
+        if (scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                   or not math.isfinite(scale))) \
+                or not isinstance(gqa, bool) or not isinstance(exact, bool):
+            return self._fallback("arguments", func, args, kwargs)
+        exact = not exact
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not (
                 mask is None or isinstance(mask, torch.Tensor)) or isinstance(heads, bool) \
                 or not isinstance(heads, int) or heads <= 0:
@@ -151,8 +194,8 @@ class Override:
                 return self._fallback(route, func, args, kwargs)
             graph = route == "graph"
         try:
-            q4, k4, v4, layout = self._views(q, k, v, heads, bool(p["skip_reshape"]))
-        except RuntimeError:
+            q4, k4, v4, layout = self._views(q, k, v, heads, bool(p["skip_reshape"]), gqa)
+        except (RuntimeError, ValueError):
             return self._fallback("shape", func, args, kwargs)
         out_dtype = q.dtype
         if _comfy_precision(p["attn_precision"], q.dtype) == torch.float32 and \
@@ -162,35 +205,58 @@ class Override:
                 mask = mask.float()
         mask4 = None if mask is None else _comfy_mask(mask)
         bound = {"query": q4, "key": k4, "value": v4, "attn_mask": mask4, "dropout_p": 0.0,
-                 "is_causal": False, "scale": None, "enable_gqa": False}
+                 "is_causal": False, "scale": scale, "enable_gqa": gqa}
         reason = ta._eager_reason(bound, layout, not compiling)
         if reason is not None:
             return self._fallback(reason, func, args, kwargs)
-        if self.video is not None:
+        if exact and self._exact is not self.client:
+            out = ta._compute(self._exact_client(), bound, layout, ta.CAUSAL_NONE, graph)
+        elif self.video is not None:
             if graph:
                 raise _with_field(
                     Unsupported,
                     "torch.compile: dattn's VIDEO_SPARSE override decides its block selection "
                     "per call in Python; compile the model with dattn's FLASH or SAGE, or run "
                     "VIDEO_SPARSE uncompiled", "torch.compile")
-            out = self.video.serve(self, p, q4, k4, v4, mask4, layout)
+            out = self.video.serve(self, p, bound, layout)
         else:
             out = ta._compute(self.client, bound, layout, ta.CAUSAL_NONE, graph)
         return _comfy_output(out.to(out_dtype), layout, heads,
                              bool(p["skip_output_reshape"]))
 
     @staticmethod
-    def _views(q, k, v, heads, skip_reshape) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    def _views(q, k, v, heads, skip_reshape,
+               gqa=False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
         """Q, K, V as 4-D views in the layout dattn reads them in: ``[B, H, S, D]`` as given
-        (BHSD) with ``skip_reshape``, else ``[B, S, H, D]`` (BSHD) from ``[B, S, H*D]``."""
+        (BHSD) with ``skip_reshape``, else ``[B, S, H, D]`` (BSHD) from ``[B, S, H*D]``. With
+        ``gqa`` (``enable_gqa=True``), K's and V's heads are their inner sizes over the query's
+        head size, as ComfyUI's ``_reshape_qkv_to_heads`` counts them (not the query's count);
+        an inner size that is no multiple of it is ComfyUI's ValueError (its function raises)."""
         if skip_reshape:
             return q, k, v, "BHSD"
         b, dim_head = q.shape[0], q.shape[-1] // heads
 
-        def split(t):
-            return t.reshape(b, -1, heads, dim_head)
+        def split(t, name):
+            n = heads
+            if gqa and t is not q:
+                if dim_head <= 0 or t.shape[-1] % dim_head:
+                    raise ValueError(f"{name}: inner size {t.shape[-1]} is no multiple of the "
+                                     f"head size {dim_head}")
+                n = t.shape[-1] // dim_head
+            return t.reshape(b, -1, n, dim_head)
 
-        return split(q), split(k), split(v), "BSHD"
+        return split(q, "q"), split(k, "k"), split(v, "v"), "BSHD"
+
+
+def _unwrapped(args: tuple) -> tuple:
+    """``args`` with ComfyUI's ``AttentionTensorContainer`` q, k, v (its attention.py since
+    2026) taken out, as its ``wrap_attn`` does before calling an override without a
+    ``container_function``: for the callers that skip ``wrap_attn`` (a registered function
+    called directly). dattn has no ``container_function``: docs/comfyui.md says why."""
+    if len(args) >= 3 and all(type(a).__name__ == "AttentionTensorContainer" and
+                              hasattr(a, "take") for a in args[:3]):
+        return tuple(a.take() for a in args[:3]) + tuple(args[3:])
+    return args
 
 
 def _comfy_output(out: torch.Tensor, layout: str, heads: int, skip_output_reshape: bool):
@@ -230,7 +296,42 @@ def patch_model(model, backend: str = "FLASH", **backend_kwargs):
         from .video import install_grid_wrapper
 
         install_grid_wrapper(m)
+    install_cleanup_callbacks(m)
     return m
+
+
+#: ComfyUI's ``CallbacksMP`` names (comfy/patcher_extension.py, 0.3.64 and later) of the
+#: model's cleanup after a sampling run and of its unloading.
+CLEANUP_CALLBACKS = ("on_cleanup", "on_detach_after")
+
+
+def _give_memory_back(*_args) -> None:
+    """A ``ModelPatcher`` callback: dattn's idle buffers back to the OS (``dattn.empty_cache``)."""
+    from ..memory import empty_cache
+
+    empty_cache()
+
+
+def install_cleanup_callbacks(model) -> bool:
+    """Has ComfyUI's ``ModelPatcher`` ``model`` return dattn's idle buffers to the OS
+    (:func:`dattn.empty_cache`) when it cleans up after sampling (``CallbacksMP.ON_CLEANUP``)
+    and when it is unloaded (``ON_DETACH``); once per model (keyed ``"dattn"``). False where
+    the patcher has no callbacks (ComfyUI before them)."""
+    add = getattr(model, "add_callback_with_key", None)
+    if add is None:
+        return False
+    try:
+        from comfy.patcher_extension import CallbacksMP
+
+        names = (CallbacksMP.ON_CLEANUP, CallbacksMP.ON_DETACH)
+    except Exception:
+        names = CLEANUP_CALLBACKS
+    for name in names:
+        remove = getattr(model, "remove_callbacks_with_key", None)
+        if remove is not None:
+            remove(name, OPTIONS_KEY)
+        add(name, OPTIONS_KEY, _give_memory_back)
+    return True
 
 
 def parse_options(text: str) -> Dict[str, Any]:
@@ -287,7 +388,8 @@ def attention_function(backend: str = "FLASH", **backend_kwargs) -> Callable:
                            comfy_attention.attention_pytorch)
         kwargs.pop("transformer_options", None)
         kwargs.pop("_inside_attn_wrapper", None)
-        return ours(fallback, *args, **kwargs)
+        kwargs.pop("preferred_attention", None)  # wrap_attn's, when called without it
+        return ours(fallback, *_unwrapped(args), **kwargs)
 
     attend.override = ours
     attend.__name__ = f"attention_dattn_{backend.lower()}"
@@ -311,5 +413,6 @@ def register() -> bool:
     return True
 
 
-__all__ = ["BACKENDS", "Override", "attention_function", "override", "parse_options",
+__all__ = ["BACKENDS", "HONOURED_KEYWORDS", "IGNORED_KEYWORDS", "Override",
+           "attention_function", "install_cleanup_callbacks", "override", "parse_options",
            "patch_model", "register"]

@@ -101,29 +101,31 @@ class VideoPolicy:
         self.sparse_calls = 0
         self.dense_calls = 0
 
-    def _layer(self, heads, kv_heads, head_size):
+    def _layer(self, heads, kv_heads, head_size, scale):
         from ..attention import Attention
 
-        key = (heads, kv_heads, head_size)
+        key = (heads, kv_heads, head_size, scale)
         with self._lock:
             layer = self._layers.get(key)
             if layer is None:
                 layer = self._layers[key] = Attention(
-                    heads, head_size, num_kv_heads=kv_heads, prefix="dattn.comfyui:VIDEO_SPARSE",
-                    backend="VIDEO_SPARSE", backend_kwargs=self.sparse_kwargs)
+                    heads, head_size, softmax_scale=scale, num_kv_heads=kv_heads,
+                    prefix="dattn.comfyui:VIDEO_SPARSE", backend="VIDEO_SPARSE",
+                    backend_kwargs=self.sparse_kwargs)
         return layer
 
-    def serve(self, override, p, q, k, v, mask, layout):
-        """One call of a model patched for VIDEO_SPARSE: a grid call sparse (or dense by the
-        policy), any other call dense on FLASH."""
+    def serve(self, override, p, bound, layout):
+        """One call of a model patched for VIDEO_SPARSE (``bound``: the call as SDPA's
+        arguments, its scale and GQA included): a grid call sparse (or dense by the policy),
+        any other call dense on FLASH."""
         from .. import torch_adapter as ta
         from ..metadata import AttentionMetadata, VideoTokenLayout
         from ..sparse_steps import is_dense
         from ..torch_layer import call_threads
 
+        q, k, v, mask = bound["query"], bound["key"], bound["value"], bound["attn_mask"]
+
         def dense():
-            bound = {"query": q, "key": k, "value": v, "attn_mask": mask, "dropout_p": 0.0,
-                     "is_causal": False, "scale": None, "enable_gqa": False}
             return ta._compute(override.client, bound, layout, ta.CAUSAL_NONE, False)
 
         options = p["kwargs"].get("transformer_options") or {}
@@ -143,7 +145,9 @@ class VideoPolicy:
             self.dense_calls += 1
             return dense()
         vs = v if layout == "BSHD" else v.transpose(1, 2)
-        layer = self._layer(qs.shape[2], ks.shape[2], qs.shape[3])
+        scale = bound["scale"]
+        layer = self._layer(qs.shape[2], ks.shape[2], qs.shape[3],
+                            None if scale is None else float(scale))
         meta = AttentionMetadata(video_layout=VideoTokenLayout(prefix_len=rows - tokens,
                                                                latent_grid=tuple(grid)))
         out, _ = self.cache.sparse_call(layer, qs, ks, vs, meta, step=step,

@@ -25,7 +25,8 @@ answered truly for a CPU host (found by running the engine: docs/vllm-omni.md):
 - **Memory figures are the process's**, as vLLM's ``CpuPlatform`` reports them: allocated and
   reserved = resident set size, their peaks = its high-water mark (which
   ``reset_peak_memory_stats`` resets where Linux allows), free and total = the host's;
-  ``empty_cache`` and ``synchronize`` have nothing to do.
+  ``empty_cache`` returns dattn's idle buffers to the OS (``dattn.empty_cache()``) and
+  ``synchronize`` has nothing to do.
 
 The class is made on first access of ``DattnCpuOmniPlatform`` (a module ``__getattr__``):
 importing this module imports nothing of the engine's, so importing it before vllm_omni (which
@@ -388,7 +389,12 @@ def _make_platform_class():
 
         @classmethod
         def empty_cache(cls) -> None:
-            return None  # host memory is returned by the allocator itself
+            # The engine's "give back what you cache": dattn's idle buffers (the rest of host
+            # memory is returned by the allocator itself).
+            from ..memory import empty_cache
+
+            empty_cache()
+            return None
 
     DattnCpuOmniPlatform.__module__ = __name__
     DattnCpuOmniPlatform.__qualname__ = "DattnCpuOmniPlatform"

@@ -31,11 +31,10 @@
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
-#include "core/huge_page_buffer.hpp"
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
+#include "core/process_memory.hpp"
 #include "core/threads.hpp"
-#include "core/workspace_pool.hpp"
 #include "dattn/cpu_info.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/paged.hpp"
@@ -99,14 +98,6 @@ struct Wave {
 // Panel bytes per wave: K and V of about 220k keys of D 128 in f32, 440k in bf16.
 constexpr std::size_t kPanelBudget = std::size_t(64) << 20;
 
-// The panel buffers of every FLASH call in the process: a call leases one for its duration, so
-// memory held between calls is one buffer per call that ran at the same time, not one per layer
-// (a DiT has dozens of layers).
-detail::WorkspacePool<detail::HugePageBuffer>& panel_pool() {
-  static detail::WorkspacePool<detail::HugePageBuffer> pool;
-  return pool;
-}
-
 class FlashPlan final : public Plan {
  public:
   FlashPlan(std::uint64_t signature, const Engine& engine, const TileKernels& engine_kernels)
@@ -161,12 +152,11 @@ class FlashPlan final : public Plan {
   std::size_t scratch_floats = 0;
   // Split-KV, when there are fewer than kSplitUnits query blocks: partial results of
   // `partial_rows` rows x (dv + 2) floats per slot (`partial_floats` in all), merged by groups.
-  // Each run leases its own partials from the pool, so concurrent runs of one plan neither
-  // share nor wait for them.
+  // Each run leases its own partials from the process's buffers (core/process_memory.hpp), so
+  // concurrent runs of one plan neither share nor wait for them, and the plan holds none.
   std::vector<MergeGroup> merges;
   i64 partial_rows = 0;
   std::size_t partial_floats = 0;
-  mutable detail::WorkspacePool<std::vector<float>> partials;
 
   // K/V panels: one group per (segment, KV head) in item order, cut into waves.
   std::size_t k_tile_bytes = 0, v_tile_bytes = 0;  // one packed tile
@@ -912,19 +902,17 @@ class FlashImpl final : public Impl {
   void run_with(const Plan& base, const AttentionProblem& p,
                 const std::array<const detail::QuantizedKv*, 4>* quantized) const {
     const auto& plan = static_cast<const FlashPlan&>(base);
-    std::optional<detail::WorkspacePool<std::vector<float>>::Lease> partials;
-    if (!plan.merges.empty()) {
-      partials.emplace(plan.partials.acquire());
-      if ((*partials)->size() < plan.partial_floats) (*partials)->resize(plan.partial_floats);
-    }
-    // The panels of one wave at a time (in huge pages where the kernel offers them).
-    const auto panel_lease = panel_pool().acquire();
-    auto* panel = reinterpret_cast<unsigned char*>(
-        panel_lease->get((plan.panel_buffer_bytes + sizeof(float) - 1) / sizeof(float)));
+    // This call's buffers, leased from the process's (shared by every layer; in huge pages from
+    // 2 MiB on): the split-KV partials, and the panels of one wave at a time.
+    detail::ProcessMemory& memory = detail::ProcessMemory::instance();
+    detail::ProcessMemory::Lease partials;
+    if (!plan.merges.empty()) partials = memory.lease(plan.partial_floats * sizeof(float));
+    const detail::ProcessMemory::Lease panel_lease = memory.lease(plan.panel_buffer_bytes);
+    auto* panel = panel_lease.as<unsigned char>();
     const bool sage = plan.chosen.compute == ComputeDtype::int8;
     std::vector<GroupStats> stats(sage ? plan.groups.size() : 0);
-    const Worker worker(p, plan, quantized, partials ? (*partials)->data() : nullptr, panel,
-                        sage ? &stats : nullptr);
+    const Worker worker(p, plan, quantized, plan.merges.empty() ? nullptr : partials.as<float>(),
+                        panel, sage ? &stats : nullptr);
     for (const PaddingRows& pr : plan.padding) worker.zero_rows(pr);
     const auto count = static_cast<i64>(std::max(plan.items.size(), plan.panel_tiles.size()));
     const int threads = static_cast<int>(std::min<i64>(plan.threads, std::max<i64>(count, 1)));

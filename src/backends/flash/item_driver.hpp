@@ -27,6 +27,7 @@
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
 #include "core/parallel_fault.hpp"
+#include "core/process_memory.hpp"
 
 namespace dattn::flash {
 
@@ -552,18 +553,21 @@ class DriverThread {
   std::int64_t* row_ends_ = nullptr;
 };
 
-// Runs body(DriverThread&) on `threads` threads, each with `floats` floats of scratch and
-// `row_ends` int64 of per-row key ends (grown per thread, kept between calls). A fault inside
-// the region (a buffer that cannot grow, say) is kept and rethrown after it; the rows computed
-// so far stay written (docs/semantics.md, "Faults").
+// Runs body(DriverThread&) on `threads` threads, each with `floats` floats of scratch (leased
+// for the region from the process's buffers, core/process_memory.hpp: no thread keeps one
+// between calls) and `row_ends` int64 of per-row key ends (grown per thread, kept between calls:
+// a few KiB). A fault inside the region (a buffer that cannot be had, say) is kept and rethrown
+// after it; the rows computed so far stay written (docs/semantics.md, "Faults").
 template <class Body>
 void run_parallel(int threads, std::size_t floats, std::size_t row_ends, Body&& body) {
   detail::ParallelFault fault;
 #pragma omp parallel num_threads(threads)
   {
     DriverThread thread(fault);
+    detail::ProcessMemory::Lease scratch;
     fault.run([&] {
-      thread.scratch_ = thread_floats(floats);
+      scratch = detail::ProcessMemory::instance().lease(floats * sizeof(float));
+      thread.scratch_ = scratch.as<float>();
       thread_local std::vector<std::int64_t> ends;
       if (ends.size() < row_ends) ends.resize(row_ends);
       thread.row_ends_ = ends.data();

@@ -38,14 +38,6 @@ class ScratchLayout {
   std::int64_t used_ = 0;
 };
 
-// This thread's scratch of at least `floats` floats, grown when a plan needs more (so
-// steady-state runs allocate nothing).
-inline float* thread_floats(std::size_t floats) {
-  thread_local std::vector<float> buffer;
-  if (buffer.size() < floats) buffer.resize(floats);
-  return buffer.data();
-}
-
 // The 256 values of fp8 e4m3 codes.
 inline const std::array<float, 256>& fp8_values() {
   static const std::array<float, 256> table = [] {

@@ -9,6 +9,7 @@
 
 #include "core/kv_quant.hpp"
 #include "core/paged_problem.hpp"
+#include "core/process_memory.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -46,8 +47,14 @@ class RowComputer {
     qrow_.resize(std::size_t(p.d));
     logits_.resize(skv);
     acc_.resize(std::size_t(p.dv));
-    kt_.resize(std::size_t(p.d) * skv);
-    v_.resize(skv * std::size_t(p.dv));
+    // The panels are per-call buffers (megabytes at a DiT's lengths): leased from the
+    // process's (core/process_memory.hpp), never blocks of the C heap.
+    const std::size_t d = std::size_t(std::max<i64>(p.d, 0)),
+                      dv = std::size_t(std::max<i64>(p.dv, 0));
+    kt_lease_ = detail::ProcessMemory::instance().lease(d * skv * sizeof(float));
+    v_lease_ = detail::ProcessMemory::instance().lease(skv * dv * sizeof(float));
+    kt_ = kt_lease_.as<float>();
+    v_ = v_lease_.as<float>();
   }
 
   // Reads every key and value row of batch item `b`, KV head `hk` into the panels.
@@ -58,7 +65,7 @@ class RowComputer {
       for (i64 e = 0; e < p_.d; ++e)
         kt_[std::size_t(e) * skv + std::size_t(j)] = float(at4(*kr.view, b, kr.row, hk, e));
       const RowRef vr = p_.v_row(j);
-      float* vrow = v_.data() + std::size_t(j) * std::size_t(p_.dv);
+      float* vrow = v_ + std::size_t(j) * std::size_t(p_.dv);
       for (i64 e = 0; e < p_.dv; ++e) vrow[e] = float(at4(*vr.view, b, vr.row, hk, e));
     }
   }
@@ -115,7 +122,7 @@ class RowComputer {
     std::fill(logits_.begin() + j0, logits_.begin() + j1, 0.0);
     for (i64 e = 0; e < p_.d; ++e) {
       const double q = qrow_[std::size_t(e)];
-      const float* k = kt_.data() + std::size_t(e) * skv;
+      const float* k = kt_ + std::size_t(e) * skv;
       double* s = logits_.data();
       // Each key's sum is its own lane: vectorising over keys keeps every sum's order.
       if (f_ == 1.0) {
@@ -174,7 +181,7 @@ class RowComputer {
       if (s == kNegInf) continue;
       const double w = std::exp(s - m);
       sum += w;
-      const float* v = v_.data() + std::size_t(j) * std::size_t(p_.dv);
+      const float* v = v_ + std::size_t(j) * std::size_t(p_.dv);
       double* acc = acc_.data();
       if (f_ == 1.0) {
 #pragma omp simd
@@ -215,7 +222,9 @@ class RowComputer {
   double f_;
   double scale_;
   std::vector<double> qrow_, logits_, acc_;
-  std::vector<float> kt_, v_;  // one (batch item, KV head)'s keys [d][skv] and values [skv][dv]
+  detail::ProcessMemory::Lease kt_lease_, v_lease_;
+  float* kt_ = nullptr;  // one (batch item, KV head)'s keys [d][skv]
+  float* v_ = nullptr;   // and values [skv][dv]
 };
 
 // Query rows to compute: all, or the "reference_rows" option.

@@ -31,8 +31,7 @@
 #include "backends/flash/kernels.hpp"
 #include "backends/flash/tile_io.hpp"
 #include "backends/flash/tile_plan.hpp"
-#include "core/huge_page_buffer.hpp"
-#include "core/workspace_pool.hpp"
+#include "core/process_memory.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
 #include "dattn/video_sparse.hpp"
@@ -129,11 +128,6 @@ struct Tile {
     return t;
   }
 };
-
-// The per-call K/V buffer of one head (tens of MiB for a video) is a HugePageBuffer: top-k
-// reads it in scattered blocks, and 4 KiB pages would cost a TLB miss on nearly every page
-// touched.
-using PackedBuffer = detail::HugePageBuffer;
 
 // Everything one call needs, shared by the threads.
 struct Call {
@@ -579,10 +573,11 @@ class VideoSparseImpl final : public Impl {
       pooled = pool_blocks(p, t, o.gate.has_value());
     const BlockMap map = select_blocks(p, t, o, pooled ? &*pooled : nullptr);
 
-    // This call's packed K/V buffer, leased from the layer's pool: concurrent calls on one
-    // layer each get their own and never wait for each other's.
+    // This call's packed K/V buffer of one head (tens of MiB for a video), leased from the
+    // process's buffers (core/process_memory.hpp: shared by every layer, concurrent calls each
+    // get their own and never wait for each other's; in huge pages, since top-k reads it in
+    // scattered blocks and 4 KiB pages would cost a TLB miss on nearly every page touched).
     // f32 engines: f32 rows; engines with their own format: each key block's tiles.
-    const auto lease = packed_.acquire();
     const i64 used_k = t.keys.used_len();
     const auto& qblocks = t.queries.blocks();
     const auto& kblocks = t.keys.blocks();
@@ -592,10 +587,10 @@ class VideoSparseImpl final : public Impl {
       block_tile0[kb + 1] =
           block_tile0[kb] + (kblocks[kb].end - kblocks[kb].begin + kBlockKeys - 1) / kBlockKeys;
     const std::size_t tile_bytes = plan.k_tile_bytes + plan.v_tile_bytes;
-    float* packed =
-        own_format ? lease->get((std::size_t(block_tile0.back()) * tile_bytes + sizeof(float) - 1) /
-                                sizeof(float))
-                   : lease->get(std::size_t(used_k * (plan.ld_k + plan.ld_v)));
+    const detail::ProcessMemory::Lease lease = detail::ProcessMemory::instance().lease(
+        own_format ? std::size_t(block_tile0.back()) * tile_bytes
+                   : std::size_t(used_k * (plan.ld_k + plan.ld_v)) * sizeof(float));
+    float* packed = lease.as<float>();
     Call call{p,      plan,    t,       map,         pooled ? &*pooled : nullptr,
               o.gate, nullptr, nullptr, nullptr,     0,
               {},     {},      {},      {},          1.0f,
@@ -721,7 +716,6 @@ class VideoSparseImpl final : public Impl {
   bool rotate_ = flash::kRotateByDefault;     // with qk_dtype int8
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
-  mutable detail::WorkspacePool<PackedBuffer> packed_;  // one buffer per concurrent call
 };
 
 // Approximate; no causal calls and no 3-D/4-D masks (key padding only).
