@@ -261,6 +261,18 @@ void expect_sane(const PeakGflops& p, int threads) {
     EXPECT_TRUE(std::isfinite(*p.amx_int8));
     EXPECT_GT(*p.amx_int8, 0.0);
   }
+  // The 16-bit integer lanes: wherever AVX2 is, on the widest of vpdpwssd zmm, vpdpwssd ymm and
+  // vpmaddwd + vpaddd the CPU has (the mask counts: DATTN_CPU_FEATURES=avx2,fma,f16c measures the
+  // last); else the reason.
+  EXPECT_EQ(p.int16_dot.has_value(), f.avx2);
+  EXPECT_EQ(p.int16_dot_unavailable.empty(), p.int16_dot.has_value());
+  if (p.int16_dot) {
+    EXPECT_TRUE(std::isfinite(*p.int16_dot));
+    EXPECT_GT(*p.int16_dot, 0.0);
+    EXPECT_EQ(p.int16_dot_isa, f.avx512f && f.avx512_vnni ? "avx512_vnni (vpdpwssd)"
+                               : f.avx_vnni               ? "avx_vnni (vpdpwssd)"
+                                                          : "avx2 (vpmaddwd + vpaddd)");
+  }
 }
 
 TEST(CpuPeak, OneThread) {
@@ -270,6 +282,8 @@ TEST(CpuPeak, OneThread) {
   std::printf("peak 1 thread: %.1f GFLOP/s f32 (%s)", p.f32_fma, p.isa.c_str());
   if (p.bf16_dot) std::printf(", %.1f GFLOP/s bf16 dot", *p.bf16_dot);
   if (p.amx_bf16) std::printf(", %.1f GFLOP/s AMX bf16", *p.amx_bf16);
+  if (p.int16_dot)
+    std::printf(", %.1f GOP/s int16 dot (%s)", *p.int16_dot, p.int16_dot_isa.c_str());
   std::printf("\n");
 }
 

@@ -73,6 +73,13 @@ struct PeakGflops {
   // int8_dot_unavailable says why it is absent.
   std::optional<double> int8_dot;
   std::string int8_dot_isa, int8_dot_unavailable;
+  // The 16-bit integer lanes' rate in GOP/s (2 ops per int16 product, the pairs of vpmaddwd /
+  // vpdpwssd summed in int32): vpdpwssd on 512-bit registers (AVX512-VNNI), else on 256-bit
+  // ones (AVX-VNNI), else AVX2's vpmaddwd + vpaddd. SAGE's P.V in 16 bits runs on it (pv_dtype
+  // int16); it is the ceiling of any engine computing on int16 pairs. int16_dot_isa names it,
+  // int16_dot_unavailable says why it is absent.
+  std::optional<double> int16_dot;
+  std::string int16_dot_isa, int16_dot_unavailable;
   // AMX tdpbssd GOP/s (2 ops per byte product; one 16x16x64 tile product = 32768 ops), the
   // amx_int8 engine's Q.K^T, measured where this process may run AMX-INT8 tile instructions;
   // amx_int8_unavailable says why not.

@@ -13,7 +13,7 @@ from . import _core
 
 _KINDS = (("f32_fma", "f32 FMA"), ("bf16_dot", "bf16 dot (vdpbf16ps)"),
           ("amx_bf16", "AMX tiles (tdpbf16ps)"), ("int8_dot", "int8 dot (GOP/s)"),
-          ("amx_int8", "AMX int8 tiles (tdpbssd, GOP/s)"))
+          ("int16_dot", "int16 dot (GOP/s)"), ("amx_int8", "AMX int8 tiles (tdpbssd, GOP/s)"))
 
 
 def _peak_kind(engine: dict):
@@ -64,7 +64,8 @@ def info(threads: int = 0) -> dict:
         "peak_gflops": {
             **{k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable", "amx_bf16",
                                     "amx_bf16_unavailable", "int8_dot", "int8_dot_isa",
-                                    "int8_dot_unavailable", "amx_int8", "amx_int8_unavailable",
+                                    "int8_dot_unavailable", "int16_dot", "int16_dot_isa",
+                                    "int16_dot_unavailable", "amx_int8", "amx_int8_unavailable",
                                     "isa", "threads")},
             "affinity_cpus": cpu["affinity_cpus"],
         },
@@ -113,8 +114,8 @@ def format_text(data: dict) -> str:
             text = f"{peak[kind]:.1f} {what}"
             if kind == "f32_fma":
                 text += f" ({peak['isa']})"
-            if kind == "int8_dot":
-                text += f" ({peak['int8_dot_isa']})"
+            if kind in ("int8_dot", "int16_dot"):
+                text += f" ({peak[kind + '_isa']})"
             names = [e["name"] for e in data["engines"] if e["peak_kind"] == kind]
             text += ": " + ("no engine uses it yet" if not names else
                             ("engine " if len(names) == 1 else "engines ") + ", ".join(names))

@@ -111,7 +111,9 @@ def measure_peak_gflops(threads: int = 0, seconds: float = 0.2) -> dict:
     """The machine's measured peaks in GFLOP/s over `threads` threads (0 = every CPU), as
     `dattn info` reports them: ``f32_fma``, ``bf16_dot`` (vdpbf16ps; None without AVX512-BF16)
     and ``amx_bf16`` (AMX tdpbf16ps; None where this process cannot run AMX tiles), the SAGE
-    engines' ``int8_dot`` (GOP/s: vpdpbusd or AVX2's vpmaddubsw sign trick, named by ``int8_dot_isa``) and
+    engines' ``int8_dot`` (GOP/s: vpdpbusd or AVX2's vpmaddubsw sign trick, named by ``int8_dot_isa``),
+    ``int16_dot`` (GOP/s: the 16-bit integer lanes, vpdpwssd or AVX2's vpmaddwd + vpaddd, named
+    by ``int16_dot_isa``) and
     ``amx_int8`` (GOP/s, AMX tdpbssd; None without AMX-INT8 tiles), with the ``threads`` that
     ran, the f32 ``isa``, and ``<kind>_unavailable``: why that peak is None (None when it was
     measured)."""

@@ -166,6 +166,87 @@ __attribute__((target("avx2,avxvnni"))) float dot_avxvnni(long long iters, float
   return static_cast<float>(total);
 }
 
+// The 16-bit integer lanes, 12 independent int32 chains: vpdpwssd (int16 pairs multiplied and
+// both products added to the int32 lane) on 512-bit (32 products per instruction) or 256-bit
+// registers (16), and AVX2's vpmaddwd + vpaddd (16 products per two instructions).
+__attribute__((target("avx512f,avx512vnni"))) float dot16_avx512vnni(long long iters, float seed) {
+  const __m512i x = _mm512_set1_epi32(0x00030002), y = _mm512_set1_epi32(0xfffe0001);
+#define DATTN_INIT(k) __m512i a##k = _mm512_set1_epi32(static_cast<int>(seed) + k);
+#define DATTN_STEP(k) a##k = _mm512_dpwssd_epi32(a##k, x, y);
+#define DATTN_SUM(k) s = _mm512_add_epi32(s, a##k);
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  __m512i s = _mm512_setzero_si512();
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  alignas(64) std::int32_t lanes[16];
+  _mm512_store_si512(lanes, s);
+  std::int64_t total = 0;
+  for (std::int32_t v : lanes) total += v;
+  return static_cast<float>(total);
+}
+
+__attribute__((target("avx2,avxvnni"))) float dot16_avxvnni(long long iters, float seed) {
+  const __m256i x = _mm256_set1_epi32(0x00030002), y = _mm256_set1_epi32(0xfffe0001);
+#define DATTN_INIT(k) __m256i a##k = _mm256_set1_epi32(static_cast<int>(seed) + k);
+#define DATTN_STEP(k) a##k = _mm256_dpwssd_avx_epi32(a##k, x, y);
+#define DATTN_SUM(k) s = _mm256_add_epi32(s, a##k);
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  __m256i s = _mm256_setzero_si256();
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  alignas(32) std::int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
+  std::int64_t total = 0;
+  for (std::int32_t v : lanes) total += v;
+  return static_cast<float>(total);
+}
+
+// The chains of the AVX2 integer loops in assembly (vpmaddwd + vpaddd, and the sign trick below).
+constexpr int kSignChains = 8;
+
+// AVX2's vpmaddwd + vpaddd, 8 accumulators: one block of assembly per iteration (as the sign
+// trick's below), so that the compiler can neither compute the chains' identical products once
+// nor hoist them out of the loop. 12 registers: 8 accumulators, 4 products.
+// clang-format off
+#define DATTN_MADD_PEAK_STEP(A, T)             \
+  "vpmaddwd %[y], %[x], %[" T "]\n\t"           \
+  "vpaddd %[" T "], %[" A "], %[" A "]\n\t"
+// clang-format on
+__attribute__((target("avx2"))) float dot16_avx2(long long iters, float seed) {
+  const __m256i x = _mm256_set1_epi32(0x00030002), y = _mm256_set1_epi32(0xfffe0001);
+  __m256i a[kSignChains];
+  for (int k = 0; k < kSignChains; ++k) a[k] = _mm256_set1_epi32(static_cast<int>(seed) + k);
+  __m256i t0, t1, t2, t3;
+  for (long long i = 0; i < iters; ++i) {
+    __asm__(DATTN_MADD_PEAK_STEP("a0", "t0") DATTN_MADD_PEAK_STEP("a1", "t1")
+                DATTN_MADD_PEAK_STEP("a2", "t2") DATTN_MADD_PEAK_STEP("a3", "t3")
+                    DATTN_MADD_PEAK_STEP("a4", "t0") DATTN_MADD_PEAK_STEP("a5", "t1")
+                        DATTN_MADD_PEAK_STEP("a6", "t2") DATTN_MADD_PEAK_STEP("a7", "t3")
+            : [a0] "+x"(a[0]), [a1] "+x"(a[1]), [a2] "+x"(a[2]), [a3] "+x"(a[3]), [a4] "+x"(a[4]),
+              [a5] "+x"(a[5]), [a6] "+x"(a[6]), [a7] "+x"(a[7]), [t0] "=&x"(t0), [t1] "=&x"(t1),
+              [t2] "=&x"(t2), [t3] "=&x"(t3)
+            : [x] "x"(x), [y] "x"(y));
+  }
+#undef DATTN_MADD_PEAK_STEP
+  __m256i s = _mm256_setzero_si256();
+  for (int k = 0; k < kSignChains; ++k) s = _mm256_add_epi32(s, a[k]);
+  alignas(32) std::int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
+  std::int64_t total = 0;
+  for (std::int32_t v : lanes) total += v;
+  return static_cast<float>(total);
+}
+
 // avx2_int8's Q.K^T step (the sign trick): vpxor with x's sign masks complements y where x < 0,
 // vpmaddubsw multiplies |x| by it (pairs summed in 16 bits), vpmaddwd by ones widens to 32 bits,
 // vpaddd accumulates: 32 byte products per four instructions, 8 independent chains (the kernel
@@ -174,7 +255,6 @@ __attribute__((target("avx2,avxvnni"))) float dot_avxvnni(long long iters, float
 // common vpxor between chains nor spills the accumulators (16 registers: 8 accumulators, 4
 // temporaries, |x|, its masks, y and the ones), which its intrinsics loop did (on AMD Zen 4 that
 // loop measured 0.78 of the kernel's own Q.K^T rate, this block 1.09x it).
-constexpr int kSignChains = 8;
 // clang-format off
 #define DATTN_SIGN_PEAK_STEP(A, T)               \
   "vpxor %[mx], %[y], %[" T "]\n\t"              \
@@ -487,7 +567,7 @@ PeakGflops measure_uncached(int threads, double seconds) {
   out.amx_int8_unavailable = "AMX is an x86-64 extension";
 #endif
   // The time is shared by the kinds measured.
-  const double share = seconds / (2 + int(bf16) + int(amx) + int(amx_int8));
+  const double share = seconds / (3 + int(bf16) + int(amx) + int(amx_int8));
   // 2 flops (multiply + add) per lane per chain step.
   const Rate r = measure(f32, 2.0 * lanes * kChains, threads, share);
   out.f32_fma = r.gflops;
@@ -512,8 +592,23 @@ PeakGflops measure_uncached(int threads, double seconds) {
   } else {
     out.int8_dot_unavailable = "this CPU lacks AVX2 (the SAGE engines run portable C++)";
   }
+  // The 16-bit integer lanes: 2 ops per int16 product.
+  if (f.avx512f && f.avx512_vnni) {
+    out.int16_dot = measure(dot16_avx512vnni, 32.0 * 2 * kChains, threads, share).gflops;
+    out.int16_dot_isa = "avx512_vnni (vpdpwssd)";
+  } else if (f.avx2 && f.avx_vnni) {
+    out.int16_dot = measure(dot16_avxvnni, 16.0 * 2 * kChains, threads, share).gflops;
+    out.int16_dot_isa = "avx_vnni (vpdpwssd)";
+  } else if (f.avx2) {
+    out.int16_dot = measure(dot16_avx2, 16.0 * 2 * kSignChains, threads, share).gflops;
+    out.int16_dot_isa = "avx2 (vpmaddwd + vpaddd)";
+  } else {
+    out.int16_dot_unavailable = "this CPU lacks AVX2 (vpmaddwd)";
+  }
 #else
   out.int8_dot_unavailable = "the SAGE engines' int8 dot instructions are x86-64's";
+  out.int16_dot_unavailable =
+      "the 16-bit integer dot instructions (vpmaddwd, vpdpwssd) are x86-64's";
 #endif
   return out;
 }

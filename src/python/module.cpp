@@ -796,6 +796,9 @@ PYBIND11_MODULE(_core, m) {
         d["int8_dot"] = p.int8_dot ? py::cast(*p.int8_dot) : py::none();
         d["int8_dot_isa"] = py::cast(p.int8_dot_isa);
         d["int8_dot_unavailable"] = p.int8_dot ? py::none() : py::cast(p.int8_dot_unavailable);
+        d["int16_dot"] = p.int16_dot ? py::cast(*p.int16_dot) : py::none();
+        d["int16_dot_isa"] = py::cast(p.int16_dot_isa);
+        d["int16_dot_unavailable"] = p.int16_dot ? py::none() : py::cast(p.int16_dot_unavailable);
         d["amx_int8"] = p.amx_int8 ? py::cast(*p.amx_int8) : py::none();
         d["amx_int8_unavailable"] = p.amx_int8 ? py::none() : py::cast(p.amx_int8_unavailable);
         d["threads"] = p.threads;

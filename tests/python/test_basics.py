@@ -48,5 +48,11 @@ def test_measured_peaks_name_every_kind():
     assert peak["amx_int8"] is None or peak["amx_int8"] > 0
     if peak["amx_bf16"] is None:
         assert peak["amx_int8"] is None
-    for kind in ("bf16_dot", "amx_bf16", "int8_dot", "amx_int8"):
+    for kind in ("bf16_dot", "amx_bf16", "int8_dot", "int16_dot", "amx_int8"):
         assert (peak[kind] is None) == bool(peak[kind + "_unavailable"]), kind
+    # The 16-bit integer lanes: wherever AVX2 is (vpmaddwd), named by the instruction measured.
+    has_avx2 = "avx2" in dattn.cpu_info()["features"]
+    assert (peak["int16_dot"] is not None) == has_avx2
+    if has_avx2:
+        assert peak["int16_dot"] > 0
+        assert any(i in peak["int16_dot_isa"] for i in ("vpmaddwd", "vpdpwssd"))

@@ -120,6 +120,9 @@ json info_json(int threads, const PeakGflops& peak) {
                       {"int8_dot", rate(peak.int8_dot)},
                       {"int8_dot_isa", peak.int8_dot_isa},
                       {"int8_dot_unavailable", why(peak.int8_dot, peak.int8_dot_unavailable)},
+                      {"int16_dot", rate(peak.int16_dot)},
+                      {"int16_dot_isa", peak.int16_dot_isa},
+                      {"int16_dot_unavailable", why(peak.int16_dot, peak.int16_dot_unavailable)},
                       {"amx_int8", rate(peak.amx_int8)},
                       {"amx_int8_unavailable", why(peak.amx_int8, peak.amx_int8_unavailable)},
                       {"isa", peak.isa},
@@ -196,11 +199,12 @@ void print_text(std::ostream& os, const json& info) {
         names += (names.empty() ? "" : ", ") + e["name"].get<std::string>();
     return names;
   };
-  const std::array<std::array<const char*, 2>, 5> kinds{
+  const std::array<std::array<const char*, 2>, 6> kinds{
       {{"f32_fma", "f32 FMA"},
        {"bf16_dot", "bf16 dot (vdpbf16ps)"},
        {"amx_bf16", "AMX tiles (tdpbf16ps)"},
        {"int8_dot", "int8 dot (GOP/s)"},
+       {"int16_dot", "int16 dot (GOP/s)"},
        {"amx_int8", "AMX int8 tiles (tdpbssd, GOP/s)"}}};
   for (std::size_t n = 0; n < kinds.size(); ++n) {
     const std::string kind = kinds[n][0];
@@ -211,7 +215,8 @@ void print_text(std::ostream& os, const json& info) {
       os << std::fixed << std::setprecision(1) << peak[kind].get<double>() << std::defaultfloat
          << ' ' << kinds[n][1];
       if (kind == "f32_fma") os << " (" << peak["isa"].get<std::string>() << ")";
-      if (kind == "int8_dot") os << " (" << peak["int8_dot_isa"].get<std::string>() << ")";
+      if (kind == "int8_dot" || kind == "int16_dot")
+        os << " (" << peak[kind + "_isa"].get<std::string>() << ")";
       const std::string names = engines_of(kind);
       os << ": "
          << (names.empty()                          ? "no engine uses it yet"
