@@ -10,8 +10,8 @@ vllm-omni's engine makes one impl per attention layer; for PyTorch the same
 `scaled_dot_product_attention` call per layer), each layer kept and each output dropped. After
 each layer the process's RSS is read; during each call its peak (VmHWM, reset before the call
 through /proc/self/clear_refs) less the RSS before the call is what the call added while it ran.
-The one-time costs come first and are reported apart: a tiny call on a throwaway layer (imports:
-dattn's torch integration imports about 70 MiB of PyTorch's machinery; OpenMP's threads).
+The one-time costs come first and are reported apart: a tiny call on a throwaway layer (imports,
+OpenMP's threads, PyTorch's first call).
 
   flux   Flux-dev at 1024x1024: 57 layers of [1, 4608, 24, 128] (512 text + 4096 image tokens)
   wan    Wan 2.1 1.3B at 480p x 81 frames: 30 self-attention layers of [1, 32760, 12, 128]

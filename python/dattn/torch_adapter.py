@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 import threading
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -373,12 +374,14 @@ def bind_sdpa(args, kwargs) -> Optional[dict]:
 
 
 def _causal_bias_mode(mask) -> Optional[int]:
-    """The causal mode a ``torch.nn.attention.bias.CausalBias`` stands for, else None."""
-    try:
-        from torch.nn.attention.bias import CausalBias, CausalVariant
-    except ImportError:  # pragma: no cover
+    """The causal mode a ``torch.nn.attention.bias.CausalBias`` stands for, else None. Read
+    from the module where it is loaded (a CausalBias exists only then): importing it imports
+    torch._dynamo (2.6 s, about 70 MiB), which no call should pay for nothing."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    if bias is None or type(mask) is not getattr(bias, "CausalBias", None):
         return None
-    if type(mask) is not CausalBias:
+    CausalVariant = bias.CausalVariant
+    if type(mask) is not bias.CausalBias:
         return None
     if mask.variant == CausalVariant.UPPER_LEFT or mask.seq_len_q == mask.seq_len_kv:
         return CAUSAL_TOP_LEFT
