@@ -165,6 +165,62 @@ TEST(ProcessMemory, ConcurrentCallsOnOneLayerGiveTheirOwnResults) {
   }
 }
 
+// Buffers are reused across layers and shapes with whatever the last call left in them: a call
+// whose idle buffers hold garbage (NaN, inf and huge bit patterns, in every size class) gives
+// bit for bit the answer it gives on fresh zeroed mappings, on every backend with buffers (FLASH
+// f32 and bf16 with split keys, SAGE, VIDEO_SPARSE, REFERENCE), with a key-padding mask.
+TEST_F(ProcessMemoryTest, GarbageLeftInReusedBuffersChangesNoAnswer) {
+  ProcessMemory& pm = ProcessMemory::instance();
+  const auto poison = [&pm] {
+    const ProcessMemory::CallScope call;  // lets the poisoned buffers stay idle
+    std::vector<ProcessMemory::Lease> held;
+    for (const std::size_t bytes :
+         {std::size_t(4) << 10, std::size_t(64) << 10, std::size_t(1) << 20, std::size_t(3) << 20,
+          std::size_t(12) << 20}) {
+      held.push_back(pm.lease(bytes));
+      auto* f = held.back().as<std::uint32_t>();
+      for (std::size_t i = 0; i < held.back().capacity() / 4; ++i)
+        f[i] = i % 3 == 0 ? 0x7fc00000u : i % 3 == 1 ? 0x7f800000u : 0x7f7fffffu;
+    }
+  };
+  struct Case {
+    std::string backend;
+    DType dtype;
+    i64 sq;
+  };
+  for (const Case& cs : {Case{"FLASH", DType::F32, 4}, Case{"FLASH", DType::BF16, 300},
+                         Case{"SAGE", DType::F32, 300}, Case{"VIDEO_SPARSE", DType::F32, 128},
+                         Case{"REFERENCE", DType::F32, 40}}) {
+    SCOPED_TRACE(cs.backend + " " + std::string(dtype_name(cs.dtype)));
+    AttentionConfig c = testing::layer_config(cs.backend, 2, 1, 64);
+    if (cs.backend == "VIDEO_SPARSE") c.backend_options = {{"topk", i64(2)}};
+    const Attention layer(c);
+    AttentionMetadata meta;
+    Tensor mask = Tensor::empty(std::vector<i64>{1, 128}, DType::Bool);
+    if (cs.backend == "VIDEO_SPARSE") {
+      VideoTokenLayout layout;
+      layout.prefix_len = 0;
+      layout.latent_grid = {2, 8, 8};
+      meta.video_layout = layout;
+    } else {
+      auto* keep = static_cast<std::uint8_t*>(mask.view().data());
+      for (i64 j = 0; j < 128; ++j) keep[j] = j < 100;  // the last 28 keys are padding
+      meta.attn_mask = mask.view();
+    }
+    const Tensor q = testing::random_tensor({1, cs.sq, 2, 64}, cs.dtype, 1);
+    const Tensor k = testing::random_tensor({1, 128, 1, 64}, cs.dtype, 2);
+    const Tensor v = testing::random_tensor({1, 128, 1, 64}, cs.dtype, 3);
+    empty_cache();
+    const ForwardResult fresh = layer.forward(q, k, v, meta, true);
+    empty_cache();
+    poison();
+    ASSERT_GE(memory_stats().idle_buffers, 5u);
+    const ForwardResult reused = layer.forward(q, k, v, meta, true);
+    EXPECT_TRUE(testing::bitwise_equal(reused.out, fresh.out));
+    EXPECT_TRUE(testing::bitwise_equal(*reused.lse, *fresh.lse));
+  }
+}
+
 std::size_t rss_bytes() {
   std::ifstream statm("/proc/self/statm");
   std::size_t pages = 0, resident = 0;

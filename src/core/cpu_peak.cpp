@@ -120,96 +120,54 @@ __attribute__((target("avx512bf16,avx512f"))) float dot_avx512bf16(long long ite
   return sum_lanes(s);
 }
 
-// The 8-bit dot products of the SAGE engines, 12 independent int32 chains: vpdpbusd on 512-bit
-// (64 byte products per instruction) or 256-bit registers (32), and AVX2's sign trick
-// (dot_avx2_sign below). The integers wrap harmlessly; the sum is returned so that nothing is
-// optimised away.
-__attribute__((target("avx512f,avx512vnni"))) float dot_avx512vnni(long long iters, float seed) {
-  const __m512i x = _mm512_set1_epi32(0x01020304), y = _mm512_set1_epi32(0x01ff01ff);
-#define DATTN_INIT(k) __m512i a##k = _mm512_set1_epi32(static_cast<int>(seed) + k);
-#define DATTN_STEP(k) a##k = _mm512_dpbusd_epi32(a##k, x, y);
-#define DATTN_SUM(k) s = _mm512_add_epi32(s, a##k);
-  DATTN_CHAINS(DATTN_INIT)
-  for (long long i = 0; i < iters; ++i) {
-    DATTN_CHAINS(DATTN_STEP)
+// The integer dot products, 12 independent int32 chains of one instruction each (the integers
+// wrap harmlessly; the lanes' sum is returned so that nothing is optimised away), one function
+// per instruction and register width:
+// - the SAGE engines' 8-bit dot: vpdpbusd on 512-bit (64 byte products per instruction) or
+//   256-bit registers (32), and AVX2's sign trick (dot_avx2_sign below);
+// - the 16-bit integer lanes: vpdpwssd (int16 pairs multiplied, both products added to the
+//   int32 lane) on 512-bit (32 products) or 256-bit registers (16), and AVX2's vpmaddwd +
+//   vpaddd (dot16_avx2 below).
+// NAME, its TARGET, the register type REG with its SET1, ADD, ZERO and STORE, the step
+// DOT(acc, x, y) on the constant operands X and Y (32-bit patterns).
+#define DATTN_CHAINS_ARG(X, A) \
+  X(0, A) X(1, A) X(2, A) X(3, A) X(4, A) X(5, A) X(6, A) X(7, A) X(8, A) X(9, A) X(10, A) X(11, A)
+#define DATTN_INT_INIT(k, SET1) auto a##k = SET1(static_cast<int>(seed) + k);
+#define DATTN_INT_STEP(k, DOT) a##k = DOT(a##k, x, y);
+#define DATTN_INT_SUM(k, ADD) s = ADD(s, a##k);
+#define DATTN_INT_DOT_PEAK(NAME, TARGET, REG, SET1, ADD, ZERO, STORE, DOT, X, Y) \
+  __attribute__((target(TARGET))) float NAME(long long iters, float seed) {      \
+    const REG x = SET1(static_cast<int>(X)), y = SET1(static_cast<int>(Y));      \
+    DATTN_CHAINS_ARG(DATTN_INT_INIT, SET1)                                       \
+    for (long long i = 0; i < iters; ++i) {                                      \
+      DATTN_CHAINS_ARG(DATTN_INT_STEP, DOT)                                      \
+    }                                                                            \
+    REG s = ZERO();                                                              \
+    DATTN_CHAINS_ARG(DATTN_INT_SUM, ADD)                                         \
+    alignas(64) std::int32_t lanes[sizeof(REG) / 4];                             \
+    STORE(reinterpret_cast<REG*>(lanes), s);                                     \
+    std::int64_t total = 0;                                                      \
+    for (std::int32_t v : lanes) total += v;                                     \
+    return static_cast<float>(total);                                            \
   }
-  __m512i s = _mm512_setzero_si512();
-  DATTN_CHAINS(DATTN_SUM)
-#undef DATTN_INIT
-#undef DATTN_STEP
-#undef DATTN_SUM
-  alignas(64) std::int32_t lanes[16];
-  _mm512_store_si512(lanes, s);
-  std::int64_t total = 0;
-  for (std::int32_t v : lanes) total += v;
-  return static_cast<float>(total);
-}
 
-__attribute__((target("avx2,avxvnni"))) float dot_avxvnni(long long iters, float seed) {
-  const __m256i x = _mm256_set1_epi32(0x01020304), y = _mm256_set1_epi32(0x01ff01ff);
-#define DATTN_INIT(k) __m256i a##k = _mm256_set1_epi32(static_cast<int>(seed) + k);
-#define DATTN_STEP(k) a##k = _mm256_dpbusd_avx_epi32(a##k, x, y);
-#define DATTN_SUM(k) s = _mm256_add_epi32(s, a##k);
-  DATTN_CHAINS(DATTN_INIT)
-  for (long long i = 0; i < iters; ++i) {
-    DATTN_CHAINS(DATTN_STEP)
-  }
-  __m256i s = _mm256_setzero_si256();
-  DATTN_CHAINS(DATTN_SUM)
-#undef DATTN_INIT
-#undef DATTN_STEP
-#undef DATTN_SUM
-  alignas(32) std::int32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
-  std::int64_t total = 0;
-  for (std::int32_t v : lanes) total += v;
-  return static_cast<float>(total);
-}
-
-// The 16-bit integer lanes, 12 independent int32 chains: vpdpwssd (int16 pairs multiplied and
-// both products added to the int32 lane) on 512-bit (32 products per instruction) or 256-bit
-// registers (16), and AVX2's vpmaddwd + vpaddd (16 products per two instructions).
-__attribute__((target("avx512f,avx512vnni"))) float dot16_avx512vnni(long long iters, float seed) {
-  const __m512i x = _mm512_set1_epi32(0x00030002), y = _mm512_set1_epi32(0xfffe0001);
-#define DATTN_INIT(k) __m512i a##k = _mm512_set1_epi32(static_cast<int>(seed) + k);
-#define DATTN_STEP(k) a##k = _mm512_dpwssd_epi32(a##k, x, y);
-#define DATTN_SUM(k) s = _mm512_add_epi32(s, a##k);
-  DATTN_CHAINS(DATTN_INIT)
-  for (long long i = 0; i < iters; ++i) {
-    DATTN_CHAINS(DATTN_STEP)
-  }
-  __m512i s = _mm512_setzero_si512();
-  DATTN_CHAINS(DATTN_SUM)
-#undef DATTN_INIT
-#undef DATTN_STEP
-#undef DATTN_SUM
-  alignas(64) std::int32_t lanes[16];
-  _mm512_store_si512(lanes, s);
-  std::int64_t total = 0;
-  for (std::int32_t v : lanes) total += v;
-  return static_cast<float>(total);
-}
-
-__attribute__((target("avx2,avxvnni"))) float dot16_avxvnni(long long iters, float seed) {
-  const __m256i x = _mm256_set1_epi32(0x00030002), y = _mm256_set1_epi32(0xfffe0001);
-#define DATTN_INIT(k) __m256i a##k = _mm256_set1_epi32(static_cast<int>(seed) + k);
-#define DATTN_STEP(k) a##k = _mm256_dpwssd_avx_epi32(a##k, x, y);
-#define DATTN_SUM(k) s = _mm256_add_epi32(s, a##k);
-  DATTN_CHAINS(DATTN_INIT)
-  for (long long i = 0; i < iters; ++i) {
-    DATTN_CHAINS(DATTN_STEP)
-  }
-  __m256i s = _mm256_setzero_si256();
-  DATTN_CHAINS(DATTN_SUM)
-#undef DATTN_INIT
-#undef DATTN_STEP
-#undef DATTN_SUM
-  alignas(32) std::int32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
-  std::int64_t total = 0;
-  for (std::int32_t v : lanes) total += v;
-  return static_cast<float>(total);
-}
+DATTN_INT_DOT_PEAK(dot_avx512vnni, "avx512f,avx512vnni", __m512i, _mm512_set1_epi32,
+                   _mm512_add_epi32, _mm512_setzero_si512, _mm512_store_si512, _mm512_dpbusd_epi32,
+                   0x01020304, 0x01ff01ff)
+DATTN_INT_DOT_PEAK(dot16_avx512vnni, "avx512f,avx512vnni", __m512i, _mm512_set1_epi32,
+                   _mm512_add_epi32, _mm512_setzero_si512, _mm512_store_si512, _mm512_dpwssd_epi32,
+                   0x00030002, 0xfffe0001)
+DATTN_INT_DOT_PEAK(dot_avxvnni, "avx2,avxvnni", __m256i, _mm256_set1_epi32, _mm256_add_epi32,
+                   _mm256_setzero_si256, _mm256_store_si256, _mm256_dpbusd_avx_epi32, 0x01020304,
+                   0x01ff01ff)
+DATTN_INT_DOT_PEAK(dot16_avxvnni, "avx2,avxvnni", __m256i, _mm256_set1_epi32, _mm256_add_epi32,
+                   _mm256_setzero_si256, _mm256_store_si256, _mm256_dpwssd_avx_epi32, 0x00030002,
+                   0xfffe0001)
+#undef DATTN_INT_DOT_PEAK
+#undef DATTN_INT_SUM
+#undef DATTN_INT_STEP
+#undef DATTN_INT_INIT
+#undef DATTN_CHAINS_ARG
 
 // The chains of the AVX2 integer loops in assembly (vpmaddwd + vpaddd, and the sign trick below).
 constexpr int kSignChains = 8;

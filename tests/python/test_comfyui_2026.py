@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 import dattn  # noqa: E402
 from dattn import comfyui  # noqa: E402
+from test_comfyui import close, rand  # noqa: E402  (the 0.3.64 conventions' helpers)
 
 
 def reference(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False,
@@ -63,17 +64,6 @@ class Func:
         kw = {n: kwargs[n] for n in ("scale", "enable_gqa") if n in kwargs}
         return reference(q, k, v, heads, mask, skip_reshape, skip_output_reshape,
                          **kw).to(q.dtype)
-
-
-def rand(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def close(got, want, dtype):
-    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
-    assert got.shape == want.shape and got.dtype == dtype
-    err = (got.double() - want).norm() / want.norm()
-    assert err <= tol, float(err)
 
 
 COMFY_KEYS = {"transformer_options": {"patches": {}}, "_inside_attn_wrapper": True}
