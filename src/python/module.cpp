@@ -623,42 +623,24 @@ class ResultBuffer {
 py::capsule result_capsule(const std::vector<i64>& shape, const std::string& dtype) {
   struct Owned {
     DLManagedTensor managed{};
-    std::vector<std::int64_t> shape, strides;
+    DLPackShapeStorage storage;
     void* data = nullptr;
   };
-  DLDataType dl{};
+  DType dt = DType::F32;
   if (dtype == "f32")
-    dl = DLDataType{kDLFloat, 32, 1};
+    dt = DType::F32;
   else if (dtype == "f16")
-    dl = DLDataType{kDLFloat, 16, 1};
+    dt = DType::F16;
   else if (dtype == "bf16")
-    dl = DLDataType{kDLBfloat, 16, 1};
+    dt = DType::BF16;
   else
     invalid("dtype", "'" + dtype + "' is not valid; valid: f32, f16, bf16");
-  if (shape.size() > std::size_t(TensorView::kMaxDims))
-    invalid("shape", "has " + std::to_string(shape.size()) + " dims; at most 6 are supported");
-  std::size_t n = 1;
-  for (const i64 e : shape) {
-    if (e < 0) invalid("shape", "has a negative extent");
-    n *= std::size_t(e);
-  }
+  const TensorView shaped(nullptr, dt, shape);  // the shape's checks and compact strides
   auto owned = std::make_unique<Owned>();
-  owned->shape.assign(shape.begin(), shape.end());
-  owned->strides.resize(shape.size());
-  i64 stride = 1;
-  for (std::size_t i = shape.size(); i-- > 0;) {
-    owned->strides[i] = stride;
-    stride *= std::max<i64>(shape[i], 1);
-  }
-  owned->data = allocate_result(std::max<std::size_t>(n * (dl.bits / 8), 1));
-  DLTensor& t = owned->managed.dl_tensor;
-  t.data = owned->data;
-  t.device = DLDevice{kDLCPU, 0};
-  t.ndim = static_cast<std::int32_t>(shape.size());
-  t.dtype = dl;
-  t.shape = owned->shape.data();
-  t.strides = owned->strides.data();
-  t.byte_offset = 0;
+  owned->data =
+      allocate_result(std::max<std::size_t>(std::size_t(shaped.numel()) * dtype_size(dt), 1));
+  owned->managed.dl_tensor =
+      to_dlpack(TensorView(owned->data, dt, shaped.shape(), shaped.strides()), owned->storage);
   owned->managed.manager_ctx = owned.get();
   owned->managed.deleter = [](DLManagedTensor* self) {
     auto* o = static_cast<Owned*>(self->manager_ctx);
