@@ -17,6 +17,9 @@ so its peak memory (the process's maximum resident set) and its threads are its 
               dattn    dattn.diffusers.enable(model): FLASH for every attention call of the
                        model (set_attention_backend("dattn") does not reach SD3's processors,
                        which call F.scaled_dot_product_attention themselves)
+              dattn_int16  dattn.diffusers.enable(model, backend="FLASH",
+                       backend_kwargs={"compute_dtype": "int16"}): FLASH on the 16-bit integer
+                       lanes (avx2_int16, avx_vnni_int16, avx512_vnni_int16; f32 where none)
               dattn_sage  dattn.diffusers.enable(model, backend="SAGE")
               sparse   (video models) dattn.diffusers.enable(model, backend="VIDEO_SPARSE",
                        backend_kwargs={"sparsity": S, "dense_layers": 0})
@@ -57,7 +60,8 @@ import time
 
 MODELS = ("flux", "sd35", "wan", "hunyuan", "tiny-wan")
 VIDEO = ("wan", "hunyuan", "tiny-wan")
-BACKENDS = ("native", "dattn", "dattn_sage", "sparse", "sparse_int8", "sparse_policy")
+BACKENDS = ("native", "dattn", "dattn_int16", "dattn_sage", "sparse", "sparse_int8",
+            "sparse_policy")
 
 
 def parse_args(argv=None):
@@ -209,6 +213,8 @@ def run_one(spec: dict) -> dict:
 
     if backend in ("dattn", "dattn_sage"):
         handle = dd.enable(model, backend="SAGE" if backend == "dattn_sage" else None)
+    elif backend == "dattn_int16":
+        handle = dd.enable(model, backend="FLASH", backend_kwargs={"compute_dtype": "int16"})
     elif backend.startswith("sparse"):
         kwargs = {"sparsity": spec["sparsity"], "dense_layers": 0}
         if backend == "sparse_int8":
@@ -365,7 +371,8 @@ def main(argv=None):
     return 0
 
 
-COLORS = {"native": "#888888", "dattn": "#1f77b4", "dattn_sage": "#2ca02c",
+COLORS = {"native": "#888888", "dattn": "#1f77b4", "dattn_int16": "#17becf",
+          "dattn_sage": "#2ca02c",
           "sparse": "#d62728", "sparse_int8": "#ff7f0e", "sparse_policy": "#9467bd"}
 
 

@@ -541,7 +541,11 @@ TEST(VideoSparseKernel, EveryEngineMatchesReference) {
                                ((c.seq + i) * c.hq + h) * c.dv + e2, 0.0f);
         const auto d = testing::compare(got.out.view(), want.out.view());
         EXPECT_FALSE(d.nan);
-        EXPECT_LE(d.normwise_rel, e.compute_dtype == "bf16" || dt == DType::BF16 ? 1e-2 : 1e-5);
+        // The 16-bit integer lanes (named as the cap: they compute every call) at their
+        // accuracy (tests/test_int16.cpp).
+        EXPECT_LE(d.normwise_rel, e.compute_dtype == "bf16" || dt == DType::BF16 ? 1e-2
+                                  : e.compute_dtype == "int16"                   ? 5e-3
+                                                                                 : 1e-5);
       }
     }
   }

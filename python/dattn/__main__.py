@@ -26,6 +26,8 @@ def _peak_kind(engine: dict):
         return "amx_int8"
     if engine["compute_dtype"] == "int8":  # SAGE's: Q.K^T's rate
         return "int8_dot"
+    if engine["compute_dtype"] == "int16":  # the 16-bit integer lanes
+        return "int16_dot"
     return {"avx512_bf16": "bf16_dot", "amx": "amx_bf16"}.get(engine["name"])
 
 

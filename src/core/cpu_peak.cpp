@@ -483,6 +483,42 @@ double bf16_dot_ratio_uncached() {
 #endif
 }
 
+// One thread's rate on the 16-bit integer lanes the int16 engines use (vpdpwssd zmm / ymm, or
+// vpmaddwd + vpaddd) over its f32 FMA rate on the f32 engine's registers, both in ops, the same
+// interleaved short trials; 0 without AVX2.
+double int16_dot_ratio_uncached() {
+#if defined(__x86_64__)
+  const CpuFeatures& f = cpu_features();
+  if (!(f.avx2 && f.fma)) return 0;
+  const bool wide = f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl;
+  const Kernel fma = wide ? fma_avx512 : fma_avx2;
+  const double f32_ops = 2.0 * (wide ? 16 : 8) * kChains;
+  Kernel dot = dot16_avx2;
+  double dot_ops = 16.0 * 2 * kSignChains;
+  if (f.avx512f && f.avx512_vnni) {
+    dot = dot16_avx512vnni;
+    dot_ops = 32.0 * 2 * kChains;
+  } else if (f.avx_vnni) {
+    dot = dot16_avxvnni;
+    dot_ops = 16.0 * 2 * kChains;
+  }
+  long long iters = 1024;
+  Run run = run_parallel(fma, iters, 1, f32_ops);
+  while (run.seconds < 5e-4 && iters < (1LL << 40)) {
+    iters *= 2;
+    run = run_parallel(fma, iters, 1, f32_ops);
+  }
+  double f32 = 0, int16 = 0;
+  for (int t = 0; t < 16; ++t) {
+    f32 = std::max(f32, run_parallel(fma, iters, 1, f32_ops).gflops);
+    int16 = std::max(int16, run_parallel(dot, iters, 1, dot_ops).gflops);
+  }
+  return f32 > 0 ? int16 / f32 : 0;
+#else
+  return 0;
+#endif
+}
+
 PeakGflops measure_uncached(int threads, double seconds) {
   const CpuFeatures& f = cpu_features();
   PeakGflops out;
@@ -578,6 +614,12 @@ double bf16_dot_to_fma_ratio() {
   static std::mutex mu;  // not at the same time as measure_peak_gflops's own runs
   const std::lock_guard<std::mutex> lock(mu);
   static const double ratio = bf16_dot_ratio_uncached();
+  return ratio;
+}
+double int16_dot_to_fma_ratio() {
+  static std::mutex mu;
+  const std::lock_guard<std::mutex> lock(mu);
+  static const double ratio = int16_dot_ratio_uncached();
   return ratio;
 }
 }  // namespace detail

@@ -343,6 +343,8 @@ def test_flash_engines_isa_compute_dtype_and_last_engine():
         if sage:  # 8-bit Q.K^T: within SAGE's documented accuracy
             got, ref = out.double().ravel(), want.double().ravel()
             assert float(got @ ref / (got.norm() * ref.norm())) >= 0.9995
+        elif e["compute_dtype"] == "int16":  # the 16-bit integer lanes, named: bf16's bound
+            assert_close(out, want, torch.bfloat16)
         else:
             assert_close(out, want, torch.bfloat16 if e["compute_dtype"] == "bf16" else torch.float32)
     # The exact default keeps f32 inputs on an f32 engine whatever the cap.
@@ -367,7 +369,7 @@ def test_backend_kwargs_are_strict():
     with pytest.raises(dattn.InvalidArgument, match="rotate"):
         dattn.Attention(2, 64, backend="SAGE", backend_kwargs={"rotate": "yes"})
     assert set(dattn.get_backend("SAGE").options) == {
-        "isa", "pv_dtype", "smooth_k", "balance_qk", "rotate"}
+        "isa", "qk_dtype", "pv_dtype", "smooth_k", "balance_qk", "rotate"}
     assert dattn.get_backend("REFERENCE").options == ()
     layer = dattn.Attention(2, 64, backend="SAGE",
                             backend_kwargs={"pv_dtype": "int8", "rotate": False})
@@ -383,3 +385,36 @@ def test_packed_padding_of_the_wrong_type_names_its_type():
                            "PackedPaddingMetadata") as e:
             layer.forward(q, q, q, dattn.AttentionMetadata(packed_padding=bad))
         assert type(bad).__name__ in str(e.value)
+
+
+def test_int16_lanes_compute_dtype_and_qk_dtype():
+    """FLASH's compute_dtype int16 runs on a 16-bit integer-lane engine (f32 where the CPU has
+    none), SAGE's and VIDEO_SPARSE's qk_dtype int16 too; python -m dattn info holds those engines
+    to the int16 dot's peak."""
+    import torch
+
+    from dattn.__main__ import _peak_kind
+
+    engines = {e["name"]: e for e in dattn.flash_engines()}
+    int16 = {n for n, e in engines.items() if e["compute_dtype"] == "int16"}
+    assert {"avx2_int16", "avx_vnni_int16", "avx512_vnni_int16"} <= int16
+    assert all(_peak_kind(engines[n]) == ("int16_dot" if not engines[n]["emulated"] else None)
+               for n in int16)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 90, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    want = dattn.Attention(2, 64, backend="REFERENCE").forward(q, k, v).float()
+    layer = dattn.Attention(2, 64, backend="FLASH", backend_kwargs={"compute_dtype": "int16"})
+    got = layer.forward(q, k, v).float()
+    real = {n for n in int16
+            if not engines[n]["emulated"] and engines[n]["unavailable_reason"] is None}
+    assert layer.last_engine in (real or {"avx512", "avx2", "portable"}), layer.last_engine
+    assert ((got - want).norm() / want.norm()).item() < 1.6e-2
+    for backend in ("SAGE", "VIDEO_SPARSE"):
+        s = dattn.Attention(2, 64, backend=backend,
+                            backend_kwargs={"qk_dtype": "int16", "isa": "avx2_int16_emulated"})
+        s.forward(q, k, v)
+        assert s.last_engine == "avx2_int16_emulated", backend
+        with pytest.raises(dattn.InvalidArgument, match="qk_dtype"):
+            dattn.Attention(2, 64, backend=backend, backend_kwargs={"qk_dtype": "int12"})
+    with pytest.raises(dattn.InvalidArgument, match="compute_dtype"):
+        dattn.Attention(2, 64, backend="FLASH", backend_kwargs={"compute_dtype": "int12"})

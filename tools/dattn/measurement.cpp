@@ -260,8 +260,10 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
   command
       .add_option("--compute-dtype", options.compute_dtype,
                   "FLASH / VIDEO_SPARSE backend option compute_dtype: f32 (exact to the inputs, "
-                  "the default) or bf16 (f32/f16 inputs may then run on a bf16 engine)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+                  "the default), bf16 (f32/f16 inputs may then run on a bf16 engine) or int16 "
+                  "(the 16-bit integer-lane engines: avx2_int16, avx_vnni_int16, "
+                  "avx512_vnni_int16)")
+      ->check(CLI::IsMember({"f32", "bf16", "int16"}));
   command
       .add_option("--pv-dtype", options.pv_dtype,
                   "SAGE backend option pv_dtype: auto (the default: int16 on avx512_vnni, "
@@ -490,8 +492,9 @@ std::string peak_kind_of_engine(const std::string& engine) {
     if (e.name == "avx512_bf16") return "bf16_dot";
     if (e.name == "amx") return "amx_bf16";
     if (e.name == "amx_int8") return "amx_int8";
-    if (e.compute_dtype == "int8") return "int8_dot";  // SAGE's: Q.K^T's rate (P.V runs below it)
-    return {};                                         // an engine whose peak is not measured
+    if (e.compute_dtype == "int8") return "int8_dot";    // SAGE's: Q.K^T's rate (P.V runs below it)
+    if (e.compute_dtype == "int16") return "int16_dot";  // the 16-bit integer lanes
+    return {};                                           // an engine whose peak is not measured
   }
   return {};
 }
@@ -501,6 +504,7 @@ std::optional<double> peak_of_kind(const PeakGflops& peak, const std::string& ki
   if (kind == "bf16_dot") return peak.bf16_dot;
   if (kind == "amx_bf16") return peak.amx_bf16;
   if (kind == "int8_dot") return peak.int8_dot;
+  if (kind == "int16_dot") return peak.int16_dot;
   if (kind == "amx_int8") return peak.amx_int8;
   return std::nullopt;
 }

@@ -56,11 +56,12 @@ void fill_run(RunReport& report, const Measurement& m, const Backend& ran, const
               int threads, double seconds);
 // The peak an engine's efficiency is measured against: "f32_fma" for the f32 engines
 // (portable, avx2, avx512), "bf16_dot" for avx512_bf16, "amx_bf16" for amx, "amx_int8" for
-// amx_int8, "int8_dot" for SAGE's other int8 engines; empty for emulated
+// amx_int8, "int8_dot" for SAGE's other int8 engines, "int16_dot" for the 16-bit integer-lane
+// engines (avx2_int16, avx_vnni_int16, avx512_vnni_int16); empty for emulated
 // engines, engines without a measured peak and "" (a backend without engines).
 std::string peak_kind_of_engine(const std::string& engine);
-// That peak of `peak` (f32_fma, bf16_dot, amx_bf16, int8_dot or amx_int8), or nullopt (absent
-// or unknown kind).
+// That peak of `peak` (f32_fma, bf16_dot, amx_bf16, int8_dot, int16_dot or amx_int8), or nullopt
+// (absent or unknown kind).
 std::optional<double> peak_of_kind(const PeakGflops& peak, const std::string& kind);
 // The engine, peak and efficiency fields of `report` (whose backend and gflops are set): the
 // engine that computed the timed calls (Attention::last_engine()) and its peak over `threads`

@@ -66,17 +66,26 @@ std::optional<std::string> needs_avx512_vnni() {
 
 // Ladder order (ranks ascending; within a rank, the preferred engine last, emulated twins
 // right after their real ones). FLASH runs the f32 and bf16 engines, SAGE the int8 ones.
-constexpr std::array<Engine, 16> kEngines{{
+constexpr std::array<Engine, 22> kEngines{{
     {"portable", 0, ComputeDtype::f32, false, &always, &portable_kernels},
     {"portable_int8", 0, ComputeDtype::int8, false, &always, &portable_int8_kernels},
     {"avx2", 1, ComputeDtype::f32, false, &needs_avx2, &avx2_kernels},
     {"avx2_int8", 1, ComputeDtype::int8, false, &needs_avx2, &avx2_int8_kernels},
     {"avx2_int8_emulated", 1, ComputeDtype::int8, true, &always, &avx2_int8_emulated_kernels},
+    {"avx2_int16", 1, ComputeDtype::int16, false, &needs_avx2, &avx2_int16_kernels},
+    {"avx2_int16_emulated", 1, ComputeDtype::int16, true, &always, &avx2_int16_emulated_kernels},
     {"avx512", 2, ComputeDtype::f32, false, &needs_avx512, &avx512_kernels},
     {"avx_vnni", 2, ComputeDtype::int8, false, &needs_avx_vnni, &avx_vnni_kernels},
     {"avx_vnni_emulated", 2, ComputeDtype::int8, true, &always, &avx_vnni_emulated_kernels},
     {"avx512_vnni", 2, ComputeDtype::int8, false, &needs_avx512_vnni, &avx512_vnni_kernels},
     {"avx512_vnni_emulated", 2, ComputeDtype::int8, true, &always, &avx512_vnni_emulated_kernels},
+    {"avx_vnni_int16", 2, ComputeDtype::int16, false, &needs_avx_vnni, &avx_vnni_int16_kernels},
+    {"avx_vnni_int16_emulated", 2, ComputeDtype::int16, true, &always,
+     &avx_vnni_int16_emulated_kernels},
+    {"avx512_vnni_int16", 2, ComputeDtype::int16, false, &needs_avx512_vnni,
+     &avx512_vnni_int16_kernels},
+    {"avx512_vnni_int16_emulated", 2, ComputeDtype::int16, true, &always,
+     &avx512_vnni_int16_emulated_kernels},
     {"avx512_bf16", 3, ComputeDtype::bf16, false, &needs_avx512_bf16, &avx512_bf16_kernels},
     {"avx512_bf16_emulated", 3, ComputeDtype::bf16, true, &always, &avx512_bf16_emulated_kernels},
     {"amx", 4, ComputeDtype::bf16, false, &needs_amx, &amx_kernels},
@@ -99,6 +108,8 @@ std::string_view compute_dtype_name(ComputeDtype c) {
       return "bf16";
     case ComputeDtype::int8:
       return "int8";
+    case ComputeDtype::int16:
+      return "int16";
     case ComputeDtype::f32:
       break;
   }
@@ -186,14 +197,75 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options) {
     return ComputeDtype::f32;
   if (name != nullptr && (names_equal(*name, "bf16") || names_equal(*name, "bfloat16")))
     return ComputeDtype::bf16;
+  if (name != nullptr && names_equal(*name, "int16")) return ComputeDtype::int16;
   throw InvalidArgument("compute_dtype",
                         "backend option compute_dtype = " +
                             (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
                             " is not valid; valid: f32 (the default: exact to the inputs' "
-                            "precision), bf16");
+                            "precision), bf16, int16 (16-bit integer lanes)");
 }
 
-const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute) {
+std::optional<ComputeDtype> parse_qk_dtype(const BackendOptions& options, bool f32_valid) {
+  const auto it = options.find("qk_dtype");
+  if (it == options.end()) return std::nullopt;
+  const auto* name = std::get_if<std::string>(&it->second);
+  if (name != nullptr && names_equal(*name, "auto")) return std::nullopt;
+  if (name != nullptr && names_equal(*name, "int8")) return ComputeDtype::int8;
+  if (name != nullptr && names_equal(*name, "int16")) return ComputeDtype::int16;
+  if (f32_valid && name != nullptr && (names_equal(*name, "f32") || names_equal(*name, "float32")))
+    return ComputeDtype::f32;
+  throw InvalidArgument("qk_dtype",
+                        "backend option qk_dtype = " +
+                            (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
+                            " is not valid; valid: auto, " + (f32_valid ? "f32, " : "") +
+                            "int8 (8-bit codes), int16 (13-bit codes on 16-bit integer lanes: "
+                            "more accurate)");
+}
+
+bool half_operands(const AttentionProblem& p) {
+  for (const DType want : {DType::BF16, DType::F16}) {
+    bool all = p.q.dtype() == want && p.k.dtype() == want && p.v.dtype() == want &&
+               p.kv_cache_dtype == KvCacheDtype::unquantized;
+    if (p.joint)
+      all = all && p.joint->q.dtype() == want && p.joint->k.dtype() == want &&
+            p.joint->v.dtype() == want;
+    if (all) return true;
+  }
+  return false;
+}
+
+namespace {
+
+// The highest-ranked available engine of compute kind `kind` (int8 or int16) at or below the
+// cap, or nullptr.
+const Engine* integer_engine(const Engine* cap, ComputeDtype kind) {
+  for (auto it = kEngines.rbegin(); it != kEngines.rend(); ++it) {
+    const Engine& e = *it;
+    if (e.compute != kind) continue;
+    if (cap != nullptr && e.rank > cap->rank) continue;
+    if (e.emulated && &e != cap) continue;
+    if (cap != nullptr && cap->emulated && &e != cap && e.rank == cap->rank) continue;
+    // A real engine named as the cap is the one of its rank (avx_vnni beside avx512_vnni).
+    if (cap != nullptr && !cap->emulated && &e != cap && e.rank == cap->rank && cap->available() &&
+        cap->compute == kind)
+      continue;
+    if (!e.available()) continue;
+    return &e;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute, bool half) {
+  if (cap != nullptr && cap->compute == ComputeDtype::int16 && compute != ComputeDtype::int8)
+    return *cap;  // by its exact name
+  if (compute == ComputeDtype::int16) {
+    if (const Engine* e = integer_engine(cap, ComputeDtype::int16)) return *e;
+    return select_engine(cap, input, ComputeDtype::f32);  // no integer lanes: f32
+  }
+  if (compute == ComputeDtype::f32 && cap == nullptr && half && int16_lanes_outrun())
+    if (const Engine* e = integer_engine(nullptr, ComputeDtype::int16)) return *e;
   if (compute == ComputeDtype::int8) {
     for (auto it = kEngines.rbegin(); it != kEngines.rend(); ++it) {
       const Engine& e = *it;
@@ -217,7 +289,7 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
     if (cap != nullptr && e.rank > cap->rank) continue;
     if (e.emulated && &e != cap) continue;
     if (cap != nullptr && cap->emulated && &e != cap && e.rank == cap->rank) continue;
-    if (e.compute == ComputeDtype::int8) continue;  // SAGE's
+    if (e.compute == ComputeDtype::int8 || e.compute == ComputeDtype::int16) continue;
     if (e.compute == ComputeDtype::bf16 && !bf16_ok) continue;
     if (!e.available()) continue;
     // vdpbf16ps is chosen by itself only where it measurably outruns f32 FMAs (on Intel's AMX
@@ -312,6 +384,22 @@ const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {
               "the emulated twins have one); use pv_dtype auto or f32");
   }
   return e.kernels();
+}
+
+bool int16_lanes_outrun() {
+  static const bool faster = [] {
+    if (!needs_amx().has_value()) return false;  // AMX's bf16 tiles run far ahead
+    const bool any = std::any_of(kEngines.begin(), kEngines.end(), [](const Engine& e) {
+      return e.compute == ComputeDtype::int16 && !e.emulated && e.available();
+    });
+    if (!any) return false;
+    const double int16 = detail::int16_dot_to_fma_ratio();
+    if (int16 < kInt16Margin) return false;
+    if (bf16_dot_outruns_fma() && int16 < kInt16Margin * detail::bf16_dot_to_fma_ratio())
+      return false;
+    return true;
+  }();
+  return faster;
 }
 
 bool bf16_dot_outruns_fma() {

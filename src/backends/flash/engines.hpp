@@ -5,7 +5,11 @@
 //
 // The ladder: amx > avx512_bf16 > avx512 > avx2 > portable. The SAGE engines (compute int8) sit
 // on the same ladder: avx512_vnni and avx_vnni at avx512's rank, avx2_int8 at avx2's,
-// portable_int8 at portable's; FLASH never picks them, SAGE picks only them. DATTN_ISA or the isa
+// portable_int8 at portable's; FLASH never picks them, SAGE picks only them. The 16-bit
+// integer-lane engines (compute int16) too: avx512_vnni_int16 and avx_vnni_int16 at avx512's
+// rank, avx2_int16 at avx2's; FLASH takes them with compute_dtype int16, by exact name (isa /
+// DATTN_ISA) or by the automatic rule (select_engine), SAGE and VIDEO_SPARSE with qk_dtype
+// int16; a cap that names another engine never selects them. DATTN_ISA or the isa
 // option name a cap on it (or an emulated twin, by exact name, which then stands in for its real
 // twin); each call runs on the fastest engine at or below the cap that serves its input dtype and
 // compute_dtype (select_engine).
@@ -26,8 +30,10 @@ namespace dattn::flash {
 // What the dot products of Q.K^T and P.V are computed in. f32 is exact to the inputs' precision
 // (f32, bf16 and f16 inputs); bf16 rounds the operands to bf16 and accumulates in f32; int8 (the
 // SAGE engines, never FLASH's) quantizes Q and K to int8 codes with f32 scales (integer dot
-// products) and computes P.V on the engine's base (bf16 or f32).
-enum class ComputeDtype { f32, bf16, int8 };
+// products) and computes P.V on the engine's base (bf16 or f32); int16 computes Q.K^T and P.V
+// on int16 pairs (13-bit codes with exact f32 terms for a head's 4 channels of largest spread:
+// cpu/int8_impl.hpp, "16-bit integer lanes").
+enum class ComputeDtype { f32, bf16, int8, int16 };
 
 std::string_view compute_dtype_name(ComputeDtype c);
 
@@ -64,9 +70,18 @@ const Engine* options_cap(const BackendOptions& options, std::string_view backen
 // choice takes a bf16 engine only where its operands are the inputs themselves; F32 otherwise.
 DType operand_dtype(const AttentionProblem& p);
 
-// The backend option compute_dtype ("f32", the default, or "bf16"); InvalidArgument naming
-// compute_dtype otherwise.
+// The backend option compute_dtype ("f32", the default, "bf16" or "int16"); InvalidArgument
+// naming compute_dtype otherwise.
 ComputeDtype parse_compute_dtype(const BackendOptions& options);
+
+// SAGE's and VIDEO_SPARSE's backend option qk_dtype: what Q.K^T is computed in (auto, int8,
+// int16; VIDEO_SPARSE also takes f32); nullopt when absent or auto. InvalidArgument naming
+// qk_dtype otherwise.
+std::optional<ComputeDtype> parse_qk_dtype(const BackendOptions& options, bool f32_valid);
+
+// Whether every Q, K and V a call reads (joint ones included, KV unquantized) is bf16, or every
+// one is f16: the calls the automatic rule may run on 16-bit integer lanes.
+bool half_operands(const AttentionProblem& p);
 
 // The engine for a call with inputs of `input` dtype: the highest-ranked available engine at or
 // below `cap` (nullptr: no cap) that serves it. f32 engines serve every call; bf16 engines serve
@@ -75,7 +90,22 @@ ComputeDtype parse_compute_dtype(const BackendOptions& options);
 // compute_dtype bf16): amx wherever it is available, avx512_bf16 only where
 // bf16_dot_outruns_fma().
 // compute int8 (SAGE): the highest-ranked available int8 engine at or below the cap.
-const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute);
+// compute int16: the highest-ranked available int16 engine at or below the cap (an int16 cap:
+// itself), else the f32 engine as for compute f32. A cap that is an int16 engine is taken for
+// any compute but int8. Automatic (no cap, compute f32): an int16 engine where `half` (the
+// call's operands are all bf16 or all f16, half_operands) and int16_lanes_outrun() say so,
+// ranked against the engine compute f32 would choose.
+const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute,
+                            bool half = false);
+
+// True when this CPU's 16-bit integer lanes measurably outrun what a bf16 call would otherwise
+// run on (the measured int16 rate over the f32 FMA rate, detail::int16_dot_to_fma_ratio, at
+// least kInt16Margin, and above the bf16 dot's ratio where avx512_bf16 is chosen; never where
+// AMX is available). Measured once per process, on first use. The int16 engines' errors on the
+// hostile bf16 input classes are within 1.5x the bf16 engine semantics' (tests/test_int16.cpp),
+// the other condition of the automatic rule.
+inline constexpr double kInt16Margin = 1.3;
+bool int16_lanes_outrun();
 
 // What a SAGE engine computes P.V in (backend option pv_dtype): auto (automatic_pv_dtype), bf16,
 // f32, int16 (P codes 0..4095 and V codes -4095..4095 as int16 pairs on the engine's 16-bit

@@ -116,6 +116,11 @@ class FlashPlan final : public Plan {
     if (!merges.empty())
       os << ", split-KV: " << merges.size() << " query blocks x " << merges[0].splits
          << " key ranges";
+    if (chosen.compute == ComputeDtype::int16)
+      os << ", Q and K as 13-bit codes per row and key in 16-bit integer lanes with "
+         << int16_exact_channels(int(head_size)) << " exact channels"
+         << (smooth_k ? ", K smoothed" : "") << (balance_qk ? ", channels balanced" : "")
+         << (rotate ? ", rotated" : "") << ", P.V in 16-bit integers";
     if (chosen.compute == ComputeDtype::int8)
       os << ", Q and K as int8 per row and key" << (smooth_k ? ", K smoothed" : "")
          << (balance_qk ? ", channels balanced" : "") << (rotate ? ", rotated" : "")
@@ -142,6 +147,12 @@ class FlashPlan final : public Plan {
   bool balance_qk = false;  // and each channel balanced between Q and K (SmoothQuant)
   bool rotate = false;      // Q and K turned by rotation:: (item_driver.hpp) before their codes
   bool smoothing() const { return smooth_k || rotate; }
+  // The engine computes on integers (SAGE's int8, or 16-bit lanes): its statistics and
+  // smoothing run before its keys are packed.
+  bool integer() const {
+    return chosen.compute == ComputeDtype::int8 || chosen.compute == ComputeDtype::int16;
+  }
+  i64 head_size = 0;
   int pv_int_bits = 0;  // SAGE's P.V in integers (pv_dtype int8 / int16 or auto's choice): 8 / 16
   RowBlock block{1, 1};
   i64 dv_padded = 0;
@@ -368,7 +379,10 @@ class Worker {
         load_elements(q, b * q.stride(0) + qr.row * q.stride(1) + h * q.stride(2), d, 1.0f, row);
         sums.query(row, d);
       }
-    Smoothing::finish(sums, st.smoothing, d, plan_.balance_qk);
+    Smoothing::finish(sums, st.smoothing, d, plan_.balance_qk,
+                      plan_.chosen.compute == ComputeDtype::int16 && !plan_.rotate
+                          ? int16_exact_channels(int(d))
+                          : 0);
     st.smoothing.rotate = plan_.rotate;
     // Tiles holding two populations (item_driver.hpp, Smoothing::split_tiles).
     thread_local std::vector<float> rows;
@@ -693,33 +707,56 @@ class Worker {
 
 class FlashImpl final : public Impl {
  public:
-  // `sage`: the SAGE backend (int8 engines; options pv_dtype and smooth_k).
+  // `sage`: the SAGE backend (integer engines; options qk_dtype, pv_dtype, smooth_k, balance_qk,
+  // rotate).
   FlashImpl(const Backend& backend, const ImplConfig& config, bool sage = false)
       : Impl(backend, config) {
     cap_ = options_cap(config.backend_kwargs, backend.name());
     if (sage) {
-      compute_ = ComputeDtype::int8;
+      const std::optional<ComputeDtype> qk = parse_qk_dtype(config.backend_kwargs, false);
+      // qk_dtype int16, or an int16 engine named by isa / DATTN_ISA: 16-bit Q.K^T.
+      const bool int16 = qk == ComputeDtype::int16 ||
+                         (!qk && cap_ != nullptr && cap_->compute == ComputeDtype::int16);
+      compute_ = int16 ? ComputeDtype::int16 : ComputeDtype::int8;
       pv_ = parse_pv_dtype(config.backend_kwargs);
       smooth_k_ = parse_bool_option(config.backend_kwargs, "smooth_k");
       balance_qk_ = parse_bool_option(config.backend_kwargs, "balance_qk");
-      rotate_ = parse_bool_option(config.backend_kwargs, "rotate", kRotateByDefault);
-      // Checked now, so that a pv_dtype this CPU's engine lacks is refused when the layer is
-      // built.
-      (void)int8_engine_kernels(select_engine(cap_, DType::F32, compute_), pv_);
+      // On 16-bit lanes the channels of largest spread are exact instead: no rotation unless
+      // asked for.
+      rotate_ = parse_bool_option(config.backend_kwargs, "rotate", kRotateByDefault && !int16);
+      if (int16) {
+        if (pv_ != PvDtype::automatic && pv_ != PvDtype::int16)
+          throw InvalidArgument("pv_dtype",
+                                "backend option pv_dtype: with qk_dtype int16 P.V runs on 16-bit "
+                                "integer codes; valid: auto, int16");
+      } else {
+        // Checked now, so that a pv_dtype this CPU's engine lacks is refused when the layer is
+        // built.
+        (void)int8_engine_kernels(select_engine(cap_, DType::F32, compute_), pv_);
+      }
     } else {
       compute_ = parse_compute_dtype(config.backend_kwargs);
     }
+    sage_ = sage;
   }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
-    const Engine& engine = select_engine(cap_, operand_dtype(p), compute_);
+    const Engine& engine = select_engine(cap_, operand_dtype(p), compute_, half_operands(p));
     auto plan = std::make_unique<FlashPlan>(
         p.signature, engine,
-        compute_ == ComputeDtype::int8 ? int8_engine_kernels(engine, pv_) : engine.kernels());
-    plan->smooth_k = compute_ == ComputeDtype::int8 && smooth_k_;
-    plan->balance_qk = plan->smooth_k && balance_qk_;
-    plan->rotate = compute_ == ComputeDtype::int8 && rotate_;
-    if (compute_ == ComputeDtype::int8) {
+        engine.compute == ComputeDtype::int8 ? int8_engine_kernels(engine, pv_) : engine.kernels());
+    plan->head_size = p.d;
+    if (engine.compute == ComputeDtype::int16 && !sage_) {
+      // FLASH on 16-bit lanes: K smoothed and channels balanced, the 4 channels of largest
+      // spread exact, no rotation (docs/semantics.md, "16-bit integer lanes").
+      plan->smooth_k = plan->balance_qk = true;
+    } else if (sage_) {
+      plan->smooth_k = smooth_k_;
+      plan->balance_qk = plan->smooth_k && balance_qk_;
+      plan->rotate = rotate_;
+    }
+    if (engine.compute == ComputeDtype::int16) plan->pv_int_bits = 16;
+    if (engine.compute == ComputeDtype::int8) {
       const PvDtype pv = pv_ == PvDtype::automatic ? automatic_pv_dtype(engine) : pv_;
       plan->pv_int_bits = pv == PvDtype::int8 ? 8 : pv == PvDtype::int16 ? 16 : 0;
     }
@@ -909,7 +946,7 @@ class FlashImpl final : public Impl {
     if (!plan.merges.empty()) partials = memory.lease(plan.partial_floats * sizeof(float));
     const detail::ProcessMemory::Lease panel_lease = memory.lease(plan.panel_buffer_bytes);
     auto* panel = panel_lease.as<unsigned char>();
-    const bool sage = plan.chosen.compute == ComputeDtype::int8;
+    const bool sage = plan.integer();
     std::vector<GroupStats> stats(sage ? plan.groups.size() : 0);
     const Worker worker(p, plan, quantized, plan.merges.empty() ? nullptr : partials.as<float>(),
                         panel, sage ? &stats : nullptr);
@@ -941,6 +978,7 @@ class FlashImpl final : public Impl {
 
   const Engine* cap_ = nullptr;  // nullptr: automatic
   ComputeDtype compute_ = ComputeDtype::f32;
+  bool sage_ = false;
   PvDtype pv_ = PvDtype::automatic;  // SAGE's
   bool smooth_k_ = true;             // SAGE's
   bool balance_qk_ = true;           // SAGE's (with smooth_k)
@@ -1007,7 +1045,8 @@ class SageBackend final : public Backend {
            "); approximate, chosen only explicitly";
   }
   std::optional<std::vector<std::string>> option_names() const override {
-    return std::vector<std::string>{"isa", "pv_dtype", "smooth_k", "balance_qk", "rotate"};
+    return std::vector<std::string>{"isa",      "qk_dtype",   "pv_dtype",
+                                    "smooth_k", "balance_qk", "rotate"};
   }
   int priority() const override { return 5; }
   void validate_configuration() const override { (void)process_cap(); }

@@ -142,6 +142,12 @@ struct Smoothing {
   int runs;
   std::int64_t d;
   bool rotate = false;
+  // The 16-bit integer-lane engines' exact channels (kernels.hpp, int16_exact_channels): after
+  // the smoothing, channels swaps[2i] and swaps[2i + 1] trade places, in order, in every query
+  // and key alike (their dots unchanged), which moves the channels of largest spread to the last
+  // places, where those engines keep them exact. None for the others.
+  const std::int32_t* swaps = nullptr;
+  int swap_count = 0;
 
   int run_of(std::int64_t tile) const { return tile_run != nullptr ? tile_run[tile] : 0; }
 
@@ -196,6 +202,7 @@ struct Smoothing {
     std::vector<float> floats;  // [d] balance | [d] mean query | [runs][d] means
     std::vector<std::int32_t> tile_run;
     std::vector<Split> splits;
+    std::vector<std::int32_t> swaps;  // pairs (Smoothing::swaps)
     double within = 0;
     int runs = 1;
     bool rotate = false;
@@ -206,7 +213,9 @@ struct Smoothing {
               tile_run.empty() ? nullptr : tile_run.data(),
               runs,
               d,
-              rotate};
+              rotate,
+              swaps.empty() ? nullptr : swaps.data(),
+              int(swaps.size() / 2)};
     }
     // No smoothing (means 0, balance 1) over `tiles` tiles: only the rotation, if any.
     void identity(std::int64_t d, std::int64_t tiles) {
@@ -214,6 +223,7 @@ struct Smoothing {
       std::fill(floats.begin(), floats.begin() + d, 1.0f);
       tile_run.assign(std::size_t(tiles), 0);
       splits.clear();
+      swaps.clear();
       runs = 1;
     }
   };
@@ -223,7 +233,11 @@ struct Smoothing {
   // distance, over all channels) of the run's mean: tiles of one population differ only by
   // sampling noise (d / 64 for unit keys, against d), populations by their offsets; at most
   // kMaxSmoothingRuns, the bound relaxed fourfold until they fit (else equal runs of tiles).
-  static void finish(const Sums& sums, Data& out, std::int64_t d, bool balance_qk) {
+  // With `exact` > 0 (the 16-bit integer-lane engines), the `exact` channels of largest spread
+  // (the product of the queries' and the keys' standard deviations about their means, which
+  // balancing leaves as it is) are moved to the last places (swaps).
+  static void finish(const Sums& sums, Data& out, std::int64_t d, bool balance_qk, int exact = 0) {
+    out.swaps.clear();
     const std::int64_t tiles = std::int64_t(sums.tile_keys.size());
     std::int64_t keys = 0;
     double within = 0;
@@ -314,6 +328,42 @@ struct Smoothing {
       const double q_var = std::max(sums.q_squares[c] / double(sums.queries) - qm * qm, 0.0);
       const double b = std::sqrt(std::sqrt(q_var) / std::sqrt(k_var));
       if (std::isfinite(b) && b > 0x1p-20 && b < 0x1p20) balance[e] = float(b);
+    }
+    if (exact > 0 && exact < d && keys > 0) choose_exact(sums, run_squares, keys, d, exact, out);
+  }
+
+  // finish()'s exact channels: the `exact` largest spreads (ties: the lower channel), moved to
+  // places d - exact, ..., d - 1 in that order by swaps.
+  static void choose_exact(const Sums& sums, const std::vector<double>& run_squares,
+                           std::int64_t keys, std::int64_t d, int exact, Data& out) {
+    std::vector<double> spread(std::size_t(d), 0.0);
+    for (std::int64_t e = 0; e < d; ++e) {
+      const std::size_t c = std::size_t(e);
+      const double qm = sums.q_sum[c] / double(sums.queries);
+      const double k_var = std::max(sums.k_squares[c] - run_squares[c], 0.0) / double(keys);
+      const double q_var = std::max(sums.q_squares[c] / double(sums.queries) - qm * qm, 0.0);
+      spread[c] = std::sqrt(q_var * k_var);
+      if (!std::isfinite(spread[c])) spread[c] = 0.0;
+    }
+    std::vector<std::int32_t> order(static_cast<std::size_t>(d));
+    for (std::int64_t e = 0; e < d; ++e) order[std::size_t(e)] = std::int32_t(e);
+    std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
+      return spread[std::size_t(a)] > spread[std::size_t(b)];
+    });
+    // where[c]: the place channel c is at; at[p]: the channel at place p.
+    std::vector<std::int32_t> where(order.size()), at(order.size());
+    for (std::int64_t e = 0; e < d; ++e)
+      where[std::size_t(e)] = at[std::size_t(e)] = std::int32_t(e);
+    for (int t = 0; t < exact; ++t) {
+      const std::int32_t c = order[std::size_t(t)];
+      const std::int32_t from = where[std::size_t(c)], to = std::int32_t(d - exact + t);
+      if (from == to) continue;
+      const std::int32_t other = at[std::size_t(to)];
+      std::swap(at[std::size_t(from)], at[std::size_t(to)]);
+      where[std::size_t(c)] = to;
+      where[std::size_t(other)] = from;
+      out.swaps.push_back(from);
+      out.swaps.push_back(to);
     }
   }
 

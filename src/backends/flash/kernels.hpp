@@ -42,6 +42,27 @@ inline constexpr float kExp2Poly[5] = {6.931470037e-01f, 2.402224243e-01f, 5.550
 // next (the amx engine's row softmax, which reduces x to floor(x) + f).
 inline constexpr float kExp2PolyBf16[3] = {6.951168180e-01f, 2.276449353e-01f, 7.706709951e-02f};
 
+// The 16-bit integer-lane engines (compute int16, cpu/int8_impl.hpp with I::kExact): of a head
+// of d channels, the last int16_exact_channels(d) are exact f32 terms beside the codes of the
+// others (the driver moves the channels of largest spread there, item_driver.hpp, Smoothing), and
+// the others' codes are at most int16_code_top(coded) in magnitude: coded channels in pairs sum
+// at most 2 * ceil(coded / 2) * top^2 <= 2^31 - 1 in an int32 lane, so no lane can wrap (4095,
+// 13-bit codes, up to 128 coded channels; 2919 at 256; 2063 at 512).
+inline constexpr int int16_exact_channels(int d) {
+  return d >= 32 ? 4 : 0;
+}
+inline float int16_code_top(int coded) {
+  const double pairs = double((coded + 1) / 2);
+  const double limit = 2147483647.0 / (2.0 * (pairs > 0 ? pairs : 1.0));
+  double top = 4095.0;
+  if (top * top > limit) {
+    top = 1.0;  // the largest integer whose square is within the limit
+    for (double step = 2048.0; step >= 1.0; step /= 2.0)
+      if ((top + step) * (top + step) <= limit) top += step;
+  }
+  return float(top);
+}
+
 struct TileKernels;
 // Query rows per work item on a small L2 unless an engine asks for more (InnerLoop::item_rows).
 inline constexpr int kDefaultItemRows = 128;
@@ -342,6 +363,15 @@ const TileKernels& avx_vnni_pv16_kernels();
 const TileKernels& avx_vnni_emulated_pv16_kernels();
 const TileKernels& avx512_vnni_pv16_kernels();
 const TileKernels& avx512_vnni_emulated_pv16_kernels();
+// The 16-bit integer-lane engines (compute int16: FLASH's compute_dtype int16, SAGE's and
+// VIDEO_SPARSE's qk_dtype int16; int8_impl.hpp's "16-bit integer lanes"): Q.K^T and P.V on int16
+// pairs, vpmaddwd + vpaddd on AVX2, vpdpwssd on AVX-VNNI and AVX512-VNNI, each with its twin.
+const TileKernels& avx2_int16_kernels();
+const TileKernels& avx2_int16_emulated_kernels();
+const TileKernels& avx_vnni_int16_kernels();
+const TileKernels& avx_vnni_int16_emulated_kernels();
+const TileKernels& avx512_vnni_int16_kernels();
+const TileKernels& avx512_vnni_int16_emulated_kernels();
 // AMX tiles (tdpbf16ps: bf16 pair products accumulated in f32), and the twin that emulates the
 // tile registers and instructions in portable C++ (the same layouts, blocking and order).
 const TileKernels& amx_kernels();

@@ -211,6 +211,8 @@ void Smoothing::keys(float* k, std::int64_t ld, std::int64_t n, float qscale, fl
                      int run) const {
   smooth_key_rows(means + run * d, balance, q_mean, k, ld, n, qscale, bias, d);
   if (rotate) rotation::rows(k, ld, n, d);
+  for (int s = 0; s < swap_count; ++s)
+    for (i64 j = 0; j < n; ++j) std::swap(k[j * ld + swaps[2 * s]], k[j * ld + swaps[2 * s + 1]]);
 }
 
 void Smoothing::row_terms(const float* qt, std::int64_t ld, std::int64_t rows_p, float qscale,
@@ -226,6 +228,9 @@ void Smoothing::row_terms(const float* qt, std::int64_t ld, std::int64_t rows_p,
 
 void Smoothing::queries(float* qt, std::int64_t ld, std::int64_t rows) const {
   columns_in_chunks(qt, ld, rows, d, q_mean, balance, rotate);
+  for (int s = 0; s < swap_count; ++s)
+    std::swap_ranges(qt + swaps[2 * s] * ld, qt + swaps[2 * s] * ld + rows,
+                     qt + swaps[2 * s + 1] * ld);
 }
 
 }  // namespace dattn::flash

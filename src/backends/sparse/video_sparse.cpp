@@ -82,6 +82,7 @@ class SparsePlan final : public Plan {
   // SAGE's smoothing (qk_dtype int8 with smooth_k) per (batch item, KV head), with balance_qk,
   // and its rotation (rotate).
   bool smooth_k = false, balance_qk = false, rotate = false;
+  int exact = 0;  // 16-bit integer lanes: the exact channels the smoothing moves to the end
   bool smoothing() const { return smooth_k || rotate; }
   int threads = 1;
   std::size_t scratch_floats = 0;
@@ -220,7 +221,7 @@ struct Call {
     Smoothing::Sums& total = smooth_parts[0];
     for (std::size_t n = 1; n < smooth_parts.size(); ++n) total.add(smooth_parts[n]);
     if (plan.smooth_k)
-      Smoothing::finish(total, smoothing, p.d, plan.balance_qk);
+      Smoothing::finish(total, smoothing, p.d, plan.balance_qk, plan.exact);
     else
       smoothing.identity(p.d, 1);
     smoothing.rotate = plan.rotate;
@@ -504,26 +505,33 @@ class VideoSparseImpl final : public Impl {
         cap_(flash::options_cap(config.backend_kwargs, "VIDEO_SPARSE")),
         compute_(flash::parse_compute_dtype(config.backend_kwargs)) {
     (void)VideoSparseOptions::from(config.backend_kwargs, nullptr);  // bad options fail here
-    // qk_dtype int8: the selected blocks on SAGE's engines (8-bit Q.K^T, P.V by pv_dtype, K
-    // smoothed per batch item and KV head by smooth_k and balance_qk as SAGE's).
-    if (const auto it = config.backend_kwargs.find("qk_dtype"); it != config.backend_kwargs.end()) {
-      const auto* name = std::get_if<std::string>(&it->second);
-      if (name != nullptr && names_equal(*name, "int8")) {
-        compute_ = flash::ComputeDtype::int8;
-        pv_ = flash::parse_pv_dtype(config.backend_kwargs);
-        smooth_k_ = flash::parse_bool_option(config.backend_kwargs, "smooth_k");
-        balance_qk_ = flash::parse_bool_option(config.backend_kwargs, "balance_qk");
-        rotate_ =
-            flash::parse_bool_option(config.backend_kwargs, "rotate", flash::kRotateByDefault);
-        (void)flash::int8_engine_kernels(
-            flash::select_engine(cap_, DType::F32, flash::ComputeDtype::int8), pv_);
-      } else if (name == nullptr || !names_equal(*name, "auto")) {
-        throw InvalidArgument(
-            "qk_dtype", "backend option qk_dtype = " +
-                            (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
-                            " is not valid; valid: auto (compute_dtype's), int8 (SAGE's "
-                            "8-bit Q.K^T engines)");
-      }
+    // qk_dtype (SAGE's meaning): int8, the selected blocks on SAGE's engines (8-bit Q.K^T, P.V
+    // by pv_dtype, K smoothed per batch item and KV head by smooth_k and balance_qk as SAGE's);
+    // int16 (as compute_dtype int16), on the 16-bit integer-lane engines (K smoothed, the
+    // channels of largest spread exact, no rotation unless asked); f32, compute_dtype f32;
+    // auto, compute_dtype's.
+    const std::optional<flash::ComputeDtype> qk =
+        flash::parse_qk_dtype(config.backend_kwargs, true);
+    if (qk) compute_ = *qk;
+    const bool integer =
+        compute_ == flash::ComputeDtype::int8 || compute_ == flash::ComputeDtype::int16;
+    if (integer) {
+      smooth_k_ = flash::parse_bool_option(config.backend_kwargs, "smooth_k");
+      balance_qk_ = flash::parse_bool_option(config.backend_kwargs, "balance_qk");
+      rotate_ = flash::parse_bool_option(
+          config.backend_kwargs, "rotate",
+          flash::kRotateByDefault && compute_ == flash::ComputeDtype::int8);
+    }
+    if (compute_ == flash::ComputeDtype::int8) {
+      pv_ = flash::parse_pv_dtype(config.backend_kwargs);
+      (void)flash::int8_engine_kernels(
+          flash::select_engine(cap_, DType::F32, flash::ComputeDtype::int8), pv_);
+    } else if (compute_ == flash::ComputeDtype::int16) {
+      pv_ = flash::parse_pv_dtype(config.backend_kwargs);
+      if (pv_ != flash::PvDtype::automatic && pv_ != flash::PvDtype::int16)
+        throw InvalidArgument("pv_dtype",
+                              "backend option pv_dtype: with qk_dtype int16 P.V runs on 16-bit "
+                              "integer codes; valid: auto, int16");
     }
   }
 
@@ -539,9 +547,10 @@ class VideoSparseImpl final : public Impl {
     // FLASH's engines, chosen the same way (the isa option or DATTN_ISA, compute_dtype, the
     // operands' dtype).
     const flash::Engine& engine = flash::select_engine(cap_, flash::operand_dtype(p), compute_);
-    auto plan = std::make_unique<SparsePlan>(
-        p.signature, compute_ == flash::ComputeDtype::int8 ? flash::int8_engine_kernels(engine, pv_)
-                                                           : engine.kernels());
+    auto plan =
+        std::make_unique<SparsePlan>(p.signature, engine.compute == flash::ComputeDtype::int8
+                                                      ? flash::int8_engine_kernels(engine, pv_)
+                                                      : engine.kernels());
     const TileKernels& kk = plan->kernels;
     plan->dv_padded = round_up(std::max<i64>(p.dv, 1), kk.col_align);
     plan->ld_k = round_up(p.d, 16) + kStridePad;
@@ -552,9 +561,13 @@ class VideoSparseImpl final : public Impl {
       plan->k_tile_bytes = kk.formats.k_tile_bytes(int(p.d));
       plan->v_tile_bytes = kk.formats.v_tile_bytes(int(plan->dv_padded));
     }
-    plan->smooth_k = compute_ == flash::ComputeDtype::int8 && smooth_k_ && kk.formats.own();
+    const bool integer =
+        engine.compute == flash::ComputeDtype::int8 || engine.compute == flash::ComputeDtype::int16;
+    plan->smooth_k = integer && smooth_k_ && kk.formats.own();
     plan->balance_qk = plan->smooth_k && balance_qk_;
-    plan->rotate = compute_ == flash::ComputeDtype::int8 && rotate_ && kk.formats.own();
+    plan->rotate = integer && rotate_ && kk.formats.own();
+    if (engine.compute == flash::ComputeDtype::int16 && !plan->rotate)
+      plan->exact = flash::int16_exact_channels(int(p.d));
     plan->scratch_floats = Tile::floats(plan->shape, plan->ld_k, plan->ld_v,
                                         kk.formats.own() ? 1 : kk.loop.panel_tiles);
     return plan;
@@ -712,8 +725,8 @@ class VideoSparseImpl final : public Impl {
   const flash::Engine* cap_;  // nullptr: automatic
   flash::ComputeDtype compute_;
   flash::PvDtype pv_ = flash::PvDtype::automatic;
-  bool smooth_k_ = true, balance_qk_ = true;  // with qk_dtype int8
-  bool rotate_ = flash::kRotateByDefault;     // with qk_dtype int8
+  bool smooth_k_ = true, balance_qk_ = true;  // with an integer qk_dtype
+  bool rotate_ = flash::kRotateByDefault;     // with an integer qk_dtype
   mutable std::mutex cache_mutex_;
   mutable std::vector<std::pair<Key, std::shared_ptr<const CallTiling>>> cache_;
 };

@@ -38,6 +38,16 @@
 //              workspace
 // so Q.K^T broadcasts one key group against 2W query rows, like the bf16 engines' pairs.
 //
+// 16-bit integer lanes (the int16 engines: I::G == 2 with I::kExact). Q and K codes are int16
+// pairs of at most int16_code_top(coded) (kernels.hpp: 4095 up to 128 coded channels, so that no
+// int32 lane wraps) over the first coded = d - E channels, E = int16_exact_channels(d); the last
+// E channels are exact f32 terms (the driver moves the channels of largest spread there): each
+// logit gets sum_t qe[t][r] * ke[j][t] added in f32 after the codes' part (fma in channel order,
+// then NaN where not finite), where qe holds the query's channels times the logit scale (an
+// area of [E][rows_p] f32 after the zeros in the workspace) and ke the key's (an area of
+// [kTileKeys][E] f32 after the K tile's groups). The byte engines' vector packing hooks
+// (pack_key_row, pack_query_rows, pack_query_split) write bytes and are not used for them.
+//
 // Row terms. Every logit of a tile of run n >= 1 gets its row's term of that run added in f32
 // (OperandFormats::set_row_terms: SAGE's exact q . (mean_n - mean_0), the driver having
 // subtracted each run's mean from its keys and restoring run 0's q . mean_0 in the row's
@@ -47,6 +57,8 @@
 struct Int8Header {
   std::uint32_t* q;
   float *qs, *inv;
+  float* qe;  // the exact channels' terms, [exact][rows_p] (16-bit lanes), else unused
+  int exact;
   const float* rt;     // the row terms, [runs][rows_p] (set_row_terms), or `zeros`
   const float* zeros;  // rows_p zeros
   void* base_ws;
@@ -67,8 +79,39 @@ constexpr int int8_group_stride(int rows_p) {
 }
 
 template <class I>
+constexpr bool byte_codes() {
+  return I::G == 4;
+}
+
+template <class I>
+constexpr bool exact_terms() {
+  if constexpr (requires { I::kExact; })
+    return I::kExact;
+  else
+    return false;
+}
+
+// How many of d channels are exact f32 terms, and the codes' largest magnitude.
+template <class I>
+constexpr int exact_of(int d) {
+  if constexpr (exact_terms<I>())
+    return int16_exact_channels(d);
+  else
+    return 0;
+}
+template <class I>
+float code_top_of(int d) {
+  if constexpr (byte_codes<I>())
+    return 127.0f;
+  else
+    return int16_code_top(d - exact_of<I>(d));
+}
+
+// Groups of the coded channels of a head of d.
+template <class I>
 constexpr int groups_of(int d) {
-  return (d + I::G - 1) / I::G;
+  const int coded = d - exact_of<I>(d);
+  return (coded + I::G - 1) / I::G;
 }
 
 // Whether the engine keeps Q's codes as magnitudes and sign masks (avx2_int8's sign trick reads
@@ -85,8 +128,8 @@ constexpr bool split_sign() {
 }
 
 struct Int8Sizes {
-  std::size_t head, q, qs, base;
-  std::size_t total() const { return head + q + 3 * qs + base; }
+  std::size_t head, q, qs, exact, base;
+  std::size_t total() const { return head + q + 3 * qs + exact + base; }
 };
 
 template <class I, const TileKernels& (*Base)()>
@@ -97,6 +140,7 @@ Int8Sizes int8_sizes(int rows_p, int d, int dv) {
                                         : std::size_t(groups_of<I>(d))) *
                        std::size_t(int8_group_stride(rows_p)) * 4),
           int8_align64(std::size_t(rows_p) * sizeof(float)),
+          int8_align64(std::size_t(exact_of<I>(d)) * std::size_t(rows_p) * sizeof(float)),
           b.formats.workspace_bytes != nullptr ? b.formats.workspace_bytes(rows_p, d, dv) : 0};
 }
 
@@ -119,20 +163,20 @@ inline Quant quant_of(float amax, bool finite, float top = 127.0f) {
 }
 
 // The quantization of the n values of one row or key (its largest magnitude, its finiteness).
-inline Quant quant_of_row(const float* x, int n) {
+inline Quant quant_of_row(const float* x, int n, float top = 127.0f) {
   float amax = 0.0f;
   bool finite = true;
   for (int e = 0; e < n; ++e) {
     finite = finite && std::isfinite(x[e]);
     amax = std::max(amax, std::fabs(x[e]));
   }
-  return quant_of(amax, finite);
+  return quant_of(amax, finite, top);
 }
 
-inline int code_of(float x, float inv) {
+inline int code_of(float x, float inv, float top = 127.0f) {
   const float c = std::nearbyint(x * inv);  // round half to even
   if (std::isnan(c)) return 0;              // a value that is not finite (its scale is NaN)
-  return static_cast<int>(std::clamp(c, -127.0f, 127.0f));
+  return static_cast<int>(std::clamp(c, -top, top));
 }
 
 // G signed codes as one 32-bit group (int16 pairs for G = 2, bytes for G = 4).
@@ -189,7 +233,17 @@ inline void int8_set_row_terms(void* ws, const float* terms) {
 template <class I>
 std::size_t int8_k_tile_bytes(int d) {
   return int8_align64(int8_k_header_bytes() +
-                      std::size_t(kTileKeys) * std::size_t(groups_of<I>(d)) * 4);
+                      std::size_t(kTileKeys) * std::size_t(groups_of<I>(d)) * 4) +
+         std::size_t(kTileKeys) * std::size_t(exact_of<I>(d)) * sizeof(float);
+}
+
+// A K tile's exact channels' values, [kTileKeys][exact_of(d)] (16-bit lanes).
+template <class I>
+float* int8_k_exact(void* tile, int d) {
+  return reinterpret_cast<float*>(
+      static_cast<unsigned char*>(tile) +
+      int8_align64(int8_k_header_bytes() +
+                   std::size_t(kTileKeys) * std::size_t(groups_of<I>(d)) * 4));
 }
 
 template <class I>
@@ -200,23 +254,31 @@ void int8_pack_k(const float* k, std::int64_t ld, int keys, int d, void* tile) {
   auto* groups =
       reinterpret_cast<std::uint32_t*>(static_cast<unsigned char*>(tile) + int8_k_header_bytes());
   const int dg = groups_of<I>(d);
+  const int exact = exact_of<I>(d), coded = d - exact;
+  const float top = code_top_of<I>(d);
   std::fill(kb, kb + kTileKeys, 0.0f);
   *int8_tile_run(tile) = 0;
+  if (exact > 0) {
+    float* ke = int8_k_exact<I>(tile, d);
+    std::fill(ke, ke + kTileKeys * exact, 0.0f);
+    for (int j = 0; j < keys; ++j)
+      for (int t = 0; t < exact; ++t) ke[j * exact + t] = k[j * ld + coded + t];
+  }
   for (int j = 0; j < keys; ++j) {
     const float* row = k + j * ld;
-    if constexpr (requires { I::pack_key_row(row, d, groups, ks); }) {
+    if constexpr (byte_codes<I>() && requires { I::pack_key_row(row, d, groups, ks); }) {
       // The same codes and sums in vectors (the engine's I::pack_key_row).
       sums[j] = I::pack_key_row(row, d, groups + std::int64_t(j) * dg, ks + j);
       continue;
     }
-    const Quant qn = quant_of_row(row, d);
+    const Quant qn = quant_of_row(row, coded, top);
     ks[j] = qn.scale;
     std::int32_t sum = 0;
     for (int g = 0; g < dg; ++g) {
       int codes[4] = {0, 0, 0, 0};
       for (int t = 0; t < I::G; ++t) {
         const int e = g * I::G + t;
-        codes[t] = e < d ? code_of(row[e], qn.inv) : 0;
+        codes[t] = e < coded ? code_of(row[e], qn.inv, top) : 0;
         sum += codes[t];
       }
       groups[std::int64_t(j) * dg + g] = group_bits<I>(codes);
@@ -234,9 +296,16 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   h->q = reinterpret_cast<std::uint32_t*>(base + s.head);
   h->qs = reinterpret_cast<float*>(base + s.head + s.q);
   h->inv = reinterpret_cast<float*>(base + s.head + s.q + s.qs);
-  h->base_ws = s.base > 0 ? base + s.head + s.q + 3 * s.qs : nullptr;
+  h->base_ws = s.base > 0 ? base + s.head + s.q + 3 * s.qs + s.exact : nullptr;
   float* zeros = h->inv + s.qs / sizeof(float);
   std::fill(zeros, zeros + rows_p, 0.0f);
+  const int exact = exact_of<I>(d), coded = d - exact;
+  const float top = code_top_of<I>(d);
+  h->qe = reinterpret_cast<float*>(base + s.head + s.q + 3 * s.qs);
+  h->exact = exact;
+  for (int t = 0; t < exact; ++t)
+    for (int r = 0; r < rows_p; ++r)
+      h->qe[t * rows_p + r] = qt[(coded + t) * ldqt + r] * logit_scale;
   h->rt = h->zeros = zeros;
   h->rows_p = rows_p;
   h->dg = groups_of<I>(d);
@@ -249,7 +318,7 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   int r0 = 0;  // rows from r0 on are left to the portable loops below
   if constexpr (split_sign<I>()) {
     negative = reinterpret_cast<std::int32_t*>(h->q + 2 * std::int64_t(h->dg) * h->ldg);
-    if constexpr (requires {
+    if constexpr (byte_codes<I>() && requires {
                     I::pack_query_split(qt, ldqt, rows_p, d, logit_scale, h->qs, h->inv, h->q,
                                         h->ldg, negative);
                   }) {
@@ -262,7 +331,7 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   }
   // Per row: the largest magnitude (in qs) and whether every element is finite (inv = 0/1).
   for (int r = r0; r < rows_p; ++r) h->qs[r] = 0.0f, h->inv[r] = 1.0f;
-  for (int e = 0; e < d; ++e) {
+  for (int e = 0; e < coded; ++e) {
     const float* col = qt + e * ldqt;
     for (int r = r0; r < rows_p; ++r) {
       if (!std::isfinite(col[r])) h->inv[r] = 0.0f;
@@ -270,11 +339,11 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
     }
   }
   for (int r = r0; r < rows_p; ++r) {
-    const Quant qn = quant_of(h->qs[r], h->inv[r] != 0.0f);
+    const Quant qn = quant_of(h->qs[r], h->inv[r] != 0.0f, top);
     h->qs[r] = qn.scale * logit_scale;
     h->inv[r] = qn.inv;
   }
-  if constexpr (!split_sign<I>() &&
+  if constexpr (byte_codes<I>() && !split_sign<I>() &&
                 requires { I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg); }) {
     // Whole vectors of rows in the engine's code (the same codes), the rest below.
     r0 = I::pack_query_rows(qt, ldqt, rows_p, d, h->inv, h->q, h->ldg);
@@ -285,7 +354,7 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
       int codes[4] = {0, 0, 0, 0};
       for (int t = 0; t < I::G; ++t) {
         const int e = g * I::G + t;
-        codes[t] = e < d ? code_of(qt[e * ldqt + r], h->inv[r]) : 0;
+        codes[t] = e < coded ? code_of(qt[e * ldqt + r], h->inv[r], top) : 0;
       }
       if constexpr (split_sign<I>()) {
         int mags[4] = {0, 0, 0, 0}, signs[4] = {0, 0, 0, 0};
@@ -302,11 +371,50 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
   }
 }
 
+// The exact channels' terms of a micro-tile (16-bit lanes): qe [exact][ldqe] from the item's row
+// r0, ke [keys][exact] from the micro-tile's first key.
+struct ExactTerms {
+  const float* qe;
+  int ldqe;
+  const float* ke;
+  int exact;
+};
+
+// Adds the exact channels' terms to ST[j][0..2W) for MK keys: fma in channel order, then NaN
+// where not finite (qk's contract), the same f32 steps on every engine.
+static_assert(int16_exact_channels(31) == 0 && int16_exact_channels(32) == 4 &&
+                  int16_exact_channels(1 << 20) == 4,
+              "int8_add_exact adds 4 exact channels (or none)");
+template <class I, int MK>
+inline void int8_add_exact(const ExactTerms& x, float* st, std::int64_t ldst) {
+  const float* q0 = x.qe;
+  const float* q1 = q0 + x.ldqe;
+  const float* q2 = q1 + x.ldqe;
+  const float* q3 = q2 + x.ldqe;
+#pragma GCC unroll 8
+  for (int m = 0; m < MK; ++m) {
+    float* row = st + m * ldst;
+    const float* km = x.ke + m * 4;
+    const float k0 = km[0], k1 = km[1], k2 = km[2], k3 = km[3];
+    // One vector of rows at a time (no loop inside: the compiler keeps it in registers).
+#pragma GCC ivdep
+    for (int i = 0; i < 2 * I::W; ++i) {
+      float v = row[i];
+      v = std::fma(q0[i], k0, v);
+      v = std::fma(q1[i], k1, v);
+      v = std::fma(q2[i], k2, v);
+      v = std::fma(q3[i], k3, v);
+      row[i] = v * 0.0f + v;
+    }
+  }
+}
+
 // ST[j][r0..r0+2W) for MK keys.
 template <class I, int MK>
 inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int32_t* sums,
                          const float* kb, int dg, const std::uint32_t* q, int ldg, const float* qs,
-                         const float* rt, float* st, std::int64_t ldst) {
+                         const float* rt, float* st, std::int64_t ldst,
+                         const ExactTerms* exact = nullptr) {
   using R = typename I::ireg;
   R acc[MK][2];
 #pragma GCC unroll 8
@@ -348,21 +456,23 @@ inline void int8_qk_keys(const std::uint32_t* k, const float* ks, const std::int
     I::logits(st + m * ldst + I::W, acc[m][1], corr, qs + I::W, ks[m], kb[m],
               rt != nullptr ? rt + I::W : nullptr);
   }
+  if constexpr (exact_terms<I>())
+    if (exact != nullptr) int8_add_exact<I, MK>(*exact, st, ldst);
 }
 
 template <class I, int MK>
 inline void int8_qk_tail(int n, const std::uint32_t* k, const float* ks, const std::int32_t* sums,
                          const float* kb, int dg, const std::uint32_t* q, int ldg, const float* qs,
-                         const float* rt, float* st, std::int64_t ldst) {
+                         const float* rt, float* st, std::int64_t ldst, const ExactTerms* exact) {
   if constexpr (MK > 0) {
-    if (n == MK) return int8_qk_keys<I, MK>(k, ks, sums, kb, dg, q, ldg, qs, rt, st, ldst);
-    int8_qk_tail<I, MK - 1>(n, k, ks, sums, kb, dg, q, ldg, qs, rt, st, ldst);
+    if (n == MK) return int8_qk_keys<I, MK>(k, ks, sums, kb, dg, q, ldg, qs, rt, st, ldst, exact);
+    int8_qk_tail<I, MK - 1>(n, k, ks, sums, kb, dg, q, ldg, qs, rt, st, ldst, exact);
   }
 }
 
 template <class I>
 void int8_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std::int64_t /*ldqt*/,
-             float* st, std::int64_t ldst, int keys, int rows_p, int /*d*/, void* ws) {
+             float* st, std::int64_t ldst, int keys, int rows_p, [[maybe_unused]] int d, void* ws) {
   const Int8Header& h = *static_cast<const Int8Header*>(ws);
   const auto* ks = static_cast<const float*>(k_tile);
   const auto* sums = reinterpret_cast<const std::int32_t*>(ks + kTileKeys);
@@ -373,16 +483,20 @@ void int8_qk(const void* k_tile, std::int64_t /*ldk*/, const float* /*qt*/, std:
   const float* rt_run = h.rt == h.zeros || run == 0 ? nullptr : h.rt + std::int64_t(run) * h.rows_p;
   const int dg = h.dg;
   constexpr int kKeys = I::kKeys;
+  const float* ke = nullptr;
+  if constexpr (exact_terms<I>())
+    if (h.exact > 0) ke = int8_k_exact<I>(const_cast<void*>(k_tile), d);
   for (int r0 = 0; r0 < rows_p; r0 += 2 * I::W) {
     const std::uint32_t* q = h.q + r0;
     const float* qs = h.qs + r0;
     const float* rt = rt_run != nullptr ? rt_run + r0 : nullptr;
+    ExactTerms x{h.qe + r0, h.rows_p, ke, h.exact};
     int j = 0;
-    for (; j + kKeys <= keys; j += kKeys)
+    for (; j + kKeys <= keys; j += kKeys, x.ke = ke != nullptr ? x.ke + kKeys * h.exact : nullptr)
       int8_qk_keys<I, kKeys>(k + j * dg, ks + j, sums + j, kb + j, dg, q, h.ldg, qs, rt,
-                             st + j * ldst + r0, ldst);
+                             st + j * ldst + r0, ldst, ke != nullptr ? &x : nullptr);
     int8_qk_tail<I, kKeys - 1>(keys - j, k + j * dg, ks + j, sums + j, kb + j, dg, q, h.ldg, qs, rt,
-                               st + j * ldst + r0, ldst);
+                               st + j * ldst + r0, ldst, ke != nullptr ? &x : nullptr);
   }
 }
 

@@ -325,6 +325,76 @@ struct AvxVnni : Avx2Lanes {
   }
 };
 
+// The 16-bit integer-lane engines (compute int16, int8_impl.hpp's "16-bit integer lanes"): Q and
+// K codes as int16 pairs, one vpmaddwd + vpaddd per pair of channels (avx2_int16) or one
+// vpdpwssd on 256-bit registers (avx_vnni_int16), P.V on the same pairs (Pv16).
+struct Avx2Int16 : Avx2Lanes {
+  static constexpr int G = 2;
+  static constexpr bool kOffsetQ = false, kExact = true;
+  static ireg dot(ireg acc, ireg q, std::uint32_t k) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(q, _mm256_set1_epi32(std::int32_t(k))));
+  }
+  static ireg dot_pv16(ireg acc, ireg v, std::uint32_t p) { return dot(acc, v, p); }
+  // int8_qk_keys' loop body for 4 keys: the query groups at q (2 registers), the keys' groups at
+  // k, k + dg, k + 2 dg, k + 3 dg.
+  static void qk_group4(ireg (&a)[4][2], const std::uint32_t* q, const std::uint32_t* k, int dg) {
+    const ireg x0 = load(q), x1 = load(q + W);
+    const std::uint32_t* b0 = k;
+    const std::uint32_t* b1 = k + 2 * std::int64_t(dg);
+    const std::int64_t s = std::int64_t(dg) * 4;
+    ireg t0, t1, t2;
+    DATTN_MADD4X2(x0, x1);
+  }
+  static void pv16_group4(ireg (&a)[4][2], const std::uint32_t* v, const std::uint32_t* p) {
+    Avx2Int8::pv16_group4(a, v, p);
+  }
+};
+
+struct AvxVnniInt16 : Avx2Lanes {
+  static constexpr int G = 2;
+  static constexpr bool kOffsetQ = false, kExact = true;
+  // vpdpwssd in inline assembly ({vex}: AVX-VNNI's encoding), as avx512_vnni's: GCC 12 copied
+  // the intrinsic's accumulators between registers (flux-1024 on one AMD Zen 5 core: 0.78x
+  // avx2_int16's vpmaddwd + vpaddd with the intrinsic).
+  static ireg dot(ireg acc, ireg q, std::uint32_t k) {
+    const ireg kk = _mm256_set1_epi32(std::int32_t(k));
+    __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(q), "x"(kk));
+    return acc;
+  }
+  static ireg dot_pv16(ireg acc, ireg v, std::uint32_t p) { return dot(acc, v, p); }
+  // The 4 x 2 micro-tile's group as one block of assembly (a[n][i] += x_i . b_n for the 4
+  // broadcast groups b_n at b0, b0 + s, b1, b1 + s), for Q.K^T (x: query groups, b: keys) and
+  // P.V (x: V groups, b: P codes of 4 rows).
+  static void dp4x2(ireg (&a)[4][2], ireg x0, ireg x1, const std::uint32_t* b0,
+                    const std::uint32_t* b1, std::int64_t s) {
+    ireg t;
+    __asm__(
+        "vpbroadcastd (%[b0]), %[t]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x0], %[a00]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x1], %[a01]\n\t"
+        "vpbroadcastd (%[b0],%[s]), %[t]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x0], %[a10]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x1], %[a11]\n\t"
+        "vpbroadcastd (%[b1]), %[t]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x0], %[a20]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x1], %[a21]\n\t"
+        "vpbroadcastd (%[b1],%[s]), %[t]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x0], %[a30]\n\t"
+        "%{vex%} vpdpwssd %[t], %[x1], %[a31]"
+        : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a10] "+x"(a[1][0]), [a11] "+x"(a[1][1]),
+          [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]), [a30] "+x"(a[3][0]), [a31] "+x"(a[3][1]),
+          [t] "=&x"(t)
+        : [x0] "x"(x0), [x1] "x"(x1), [b0] "r"(b0), [b1] "r"(b1), [s] "r"(s)
+        : "memory");
+  }
+  static void qk_group4(ireg (&a)[4][2], const std::uint32_t* q, const std::uint32_t* k, int dg) {
+    dp4x2(a, load(q), load(q + W), k, k + 2 * std::int64_t(dg), std::int64_t(dg) * 4);
+  }
+  static void pv16_group4(ireg (&a)[4][2], const std::uint32_t* v, const std::uint32_t* p) {
+    dp4x2(a, load(v), load(v + W), p, p + 2, 4);
+  }
+};
+
 #undef DATTN_MADD4X2
 #undef DATTN_SIGN_STEP
 
@@ -334,6 +404,9 @@ constexpr Int8Functions kAvx2Int8Pv8 = int8pv_functions<Avx2Int8, &avx2_kernels>
 constexpr Int8Functions kAvxVnniPv8 = int8pv_functions<AvxVnni, &avx2_kernels>();
 constexpr Int8Functions kAvx2Int8Pv16 = int8pv_functions<Avx2Int8, &avx2_kernels, Pv16<Avx2Int8>>();
 constexpr Int8Functions kAvxVnniPv16 = int8pv_functions<AvxVnni, &avx2_kernels, Pv16<AvxVnni>>();
+constexpr Int8Functions kAvx2Int16 = int8pv_functions<Avx2Int16, &avx2_kernels, Pv16<Avx2Int16>>();
+constexpr Int8Functions kAvxVnniInt16 =
+    int8pv_functions<AvxVnniInt16, &avx2_kernels, Pv16<AvxVnniInt16>>();
 
 }  // namespace int8_avx2_impl
 }  // namespace dattn::flash
@@ -376,9 +449,25 @@ const TileKernels& avx_vnni_pv16_kernels() {
       int8_tile_kernels("avx_vnni", avx2_kernels(), int8_avx2_impl::kAvxVnniPv16);
   return k;
 }
+const TileKernels& avx2_int16_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx2_int16", avx2_kernels(), int8_avx2_impl::kAvx2Int16);
+  return k;
+}
+const TileKernels& avx_vnni_int16_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx_vnni_int16", avx2_kernels(), int8_avx2_impl::kAvxVnniInt16);
+  return k;
+}
 }  // namespace dattn::flash
 #else
 namespace dattn::flash {
+const TileKernels& avx2_int16_kernels() {
+  return avx2_int16_emulated_kernels();
+}
+const TileKernels& avx_vnni_int16_kernels() {
+  return avx_vnni_int16_emulated_kernels();
+}
 const TileKernels& avx2_int8_kernels() {
   return avx2_int8_emulated_kernels();
 }

@@ -180,6 +180,22 @@ struct Avx512Vnni {
   }
 };
 
+// The 16-bit integer-lane engine avx512_vnni_int16 (compute int16, int8_impl.hpp's "16-bit
+// integer lanes"): Q and K codes as int16 pairs on vpdpwssd, P.V on the same pairs (Pv16); the
+// byte hooks above are not used for it (int8_impl.hpp, byte_codes()).
+struct Avx512VnniInt16 : Avx512Vnni {
+  static constexpr int G = 2;
+  static constexpr bool kOffsetQ = false, kExact = true;
+  static ireg dot(ireg acc, ireg q, std::uint32_t k) {
+    const ireg kk = _mm512_set1_epi32(std::int32_t(k));
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(q), "v"(kk));
+    return acc;
+  }
+};
+
+constexpr Int8Functions kInt16 =
+    int8pv_functions<Avx512VnniInt16, &avx512_kernels, Pv16<Avx512VnniInt16>>();
+
 constexpr Int8Functions kBf16Pv = int8_functions<Avx512Vnni, &avx512_bf16_kernels>();
 constexpr Int8Functions kF32Pv = int8_functions<Avx512Vnni, &avx512_kernels>();
 constexpr Int8Functions kPv8 = int8pv_functions<Avx512Vnni, &avx512_kernels>();
@@ -210,6 +226,11 @@ const TileKernels& avx512_vnni_f32_pv_kernels() {
       int8_tile_kernels("avx512_vnni", avx512_kernels(), int8_avx512_impl::kF32Pv);
   return k;
 }
+const TileKernels& avx512_vnni_int16_kernels() {
+  static const TileKernels k =
+      int8_tile_kernels("avx512_vnni_int16", avx512_kernels(), int8_avx512_impl::kInt16);
+  return k;
+}
 const TileKernels& avx512_vnni_kernels() {
   if (!cpu_features().avx512_bf16) return avx512_vnni_f32_pv_kernels();
   static const TileKernels k =
@@ -230,6 +251,9 @@ const TileKernels& avx512_vnni_pv16_kernels() {
 }
 const TileKernels& avx512_vnni_kernels() {
   return avx512_vnni_emulated_kernels();
+}
+const TileKernels& avx512_vnni_int16_kernels() {
+  return avx512_vnni_int16_emulated_kernels();
 }
 }  // namespace dattn::flash
 #endif

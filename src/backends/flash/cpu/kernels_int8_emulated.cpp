@@ -24,6 +24,14 @@ namespace int8_emulated_impl {
 using Avx2Int8 = EmulatedInt8Ops<8, 4, false, 6, 2>;
 using AvxVnni = EmulatedInt8Ops<8, 4, true, 6>;
 using Avx512Vnni = EmulatedInt8Ops<16, 4, true, 8>;
+// The 16-bit integer-lane twins: int16 pairs for Q.K^T and P.V, exact channels (int8_impl.hpp).
+template <int Lanes, int Keys>
+struct EmulatedInt16Ops : EmulatedInt8Ops<Lanes, 2, false, Keys> {
+  static constexpr bool kExact = true;
+};
+using Avx2Int16 = EmulatedInt16Ops<8, 4>;
+using AvxVnniInt16 = EmulatedInt16Ops<8, 4>;
+using Avx512VnniInt16 = EmulatedInt16Ops<16, 8>;
 
 }  // namespace int8_emulated_impl
 
@@ -59,6 +67,19 @@ TileKernels make_pv16(std::string_view name) {
                            int8pv_functions<I, &portable_kernels, Pv16<I>>());
 }
 }  // namespace
+
+const TileKernels& avx2_int16_emulated_kernels() {
+  static const TileKernels k = make_pv16<Avx2Int16>("avx2_int16_emulated");
+  return k;
+}
+const TileKernels& avx_vnni_int16_emulated_kernels() {
+  static const TileKernels k = make_pv16<AvxVnniInt16>("avx_vnni_int16_emulated");
+  return k;
+}
+const TileKernels& avx512_vnni_int16_emulated_kernels() {
+  static const TileKernels k = make_pv16<Avx512VnniInt16>("avx512_vnni_int16_emulated");
+  return k;
+}
 
 const TileKernels& portable_int8_pv16_kernels() {
   static const TileKernels k = make_pv16<Avx2Int8>("portable_int8");
