@@ -98,9 +98,12 @@ TEST(Flash, ScratchPerThreadStaysWithinTheEnginesL2BudgetUpToHeadSize128) {
     if (engine.unavailable_reason) continue;
     SCOPED_TRACE(engine.name);
     const bool amx = engine.name.starts_with("amx");
-    const std::size_t budget = amx                              ? 1280u * 1024u
-                               : engine.compute_dtype == "bf16" ? rows_factor * 352u * 1024u
-                                                                : rows_factor * 256u * 1024u;
+    // The 16-bit integer-lane engines keep Q's and P's codes as int16 pairs per item, as
+    // avx512_bf16 keeps them as bf16 pairs (and 4 exact channels of Q in f32): its budget.
+    const bool pairs = engine.compute_dtype == "bf16" || engine.compute_dtype == "int16";
+    const std::size_t budget = amx     ? 1280u * 1024u
+                               : pairs ? rows_factor * 352u * 1024u
+                                       : rows_factor * 256u * 1024u;
     for (const auto& [hq, hkv] : {std::pair<i64, i64>{24, 24}, {28, 7}, {24, 1}})
       for (i64 d : {32, 64, 80, 96, 128}) {
         AttentionConfig c = flash_config(hq, hkv, d, false);
@@ -609,15 +612,32 @@ TEST(FlashEngines, TheTableListsTheLadderAndTheEmulatedTwins) {
   const std::vector<EngineInfo> engines = flash_engines();
   std::vector<std::string> names;
   for (const EngineInfo& e : engines) names.push_back(e.name);
-  for (const char* want :
-       {"portable", "avx2", "avx512", "avx512_bf16", "avx512_bf16_emulated", "amx", "amx_emulated",
-        "portable_int8", "avx2_int8", "avx2_int8_emulated", "avx_vnni", "avx_vnni_emulated",
-        "avx512_vnni", "avx512_vnni_emulated"})
+  for (const char* want : {"portable",
+                           "avx2",
+                           "avx512",
+                           "avx512_bf16",
+                           "avx512_bf16_emulated",
+                           "amx",
+                           "amx_emulated",
+                           "portable_int8",
+                           "avx2_int8",
+                           "avx2_int8_emulated",
+                           "avx_vnni",
+                           "avx_vnni_emulated",
+                           "avx512_vnni",
+                           "avx512_vnni_emulated",
+                           "avx2_int16",
+                           "avx2_int16_emulated",
+                           "avx_vnni_int16",
+                           "avx_vnni_int16_emulated",
+                           "avx512_vnni_int16",
+                           "avx512_vnni_int16_emulated"})
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
   for (std::size_t i = 1; i < engines.size(); ++i)
     EXPECT_LE(engines[i - 1].rank, engines[i].rank) << engines[i].name;
   for (const EngineInfo& e : engines) {
-    EXPECT_TRUE(e.compute_dtype == "f32" || e.compute_dtype == "bf16" || e.compute_dtype == "int8")
+    EXPECT_TRUE(e.compute_dtype == "f32" || e.compute_dtype == "bf16" ||
+                e.compute_dtype == "int8" || e.compute_dtype == "int16")
         << e.name;
     if (e.emulated || e.name == "portable" || e.name == "portable_int8") {
       EXPECT_FALSE(e.unavailable_reason.has_value()) << e.name << " must run everywhere";
@@ -758,6 +778,8 @@ TEST_P(FlashEngine, MatchesReference) {
   const bool bf16_engine = info.compute_dtype == "bf16";
   // SAGE's engines (8-bit Q.K^T) run under the SAGE backend, at its accuracy (test_sage.cpp).
   const bool int8_engine = info.compute_dtype == "int8";
+  // The 16-bit integer-lane engines, named as the cap, compute every call (13-bit codes).
+  const bool int16_engine = info.compute_dtype == "int16";
   const std::vector<EngineCase> cases{{4, 2, 59, 77, 131, false, false},
                                       {3, 1, 64, 100, 100, true, false},
                                       {2, 2, 80, 45, 97, false, true},
@@ -808,6 +830,7 @@ TEST_P(FlashEngine, MatchesReference) {
       const auto want = Attention(c).forward(q, k, v, m, true);
       const auto d = testing::compare(got.out.view(), want.out.view());
       const double tol = int8_engine         ? 2e-2
+                         : int16_engine      ? std::max(5e-3, testing::tolerance_for(dt))
                          : !bf16_engine      ? testing::tolerance_for(dt)
                          : dt == DType::BF16 ? testing::tolerance_for(DType::BF16)
                                              : 1e-2;
@@ -820,6 +843,7 @@ TEST_P(FlashEngine, MatchesReference) {
       const auto l = testing::compare(got.lse->view(), want.lse->view());
       EXPECT_FALSE(l.nan) << what;
       EXPECT_LE(l.max_abs, int8_engine                       ? 5e-2
+                           : int16_engine                    ? 2e-2
                            : bf16_engine || dt != DType::F32 ? 1e-2
                                                              : 1e-4)
           << what;
@@ -839,6 +863,8 @@ TEST_P(FlashEngine, NonFiniteValuesReachOnlyTheRowsThatSeeThem) {
   if (info.unavailable_reason) GTEST_SKIP() << info.name << ": " << *info.unavailable_reason;
   const bool bf16_engine = info.compute_dtype == "bf16";
   const bool int8_engine = info.compute_dtype == "int8";
+  // The 16-bit integer-lane engines, named as the cap, compute every call (13-bit codes).
+  const bool int16_engine = info.compute_dtype == "int16";
   const DType dt = bf16_engine ? DType::BF16 : DType::F32;
   struct Case {
     i64 sq, skv;
@@ -881,7 +907,9 @@ TEST_P(FlashEngine, NonFiniteValuesReachOnlyTheRowsThatSeeThem) {
     Tensor zeroed = Tensor::copy_of(v.view(), dt);
     for (const i64 j : cs.bad)
       for (i64 e = 0; e < D; ++e) store_from_f32(zeroed.data(), dt, j * D + e, 0.0f);
-    const auto clean = Attention(c).forward(q, k, int8_engine ? zeroed : v, m, true);
+    // The 16-bit integer-lane engines' V codes share scales per tile too.
+    const auto clean =
+        Attention(c).forward(q, k, int8_engine || int16_engine ? zeroed : v, m, true);
     for (const float garbage : {NAN, INFINITY, -INFINITY}) {
       const std::string what = info.name + " " + std::to_string(cs.sq) + "x" +
                                std::to_string(cs.skv) + " " + std::to_string(garbage);
@@ -915,9 +943,10 @@ TEST_P(FlashEngine, NonFiniteValuesReachOnlyTheRowsThatSeeThem) {
             for (i64 e = 0; e < D; ++e) {
               const float x = load_as_f32(got.out.data(), dt, row + e),
                           y = load_as_f32(want.out.data(), dt, row + e);
-              ASSERT_LE(std::fabs(x - y), int8_engine   ? 0.1f
-                                          : bf16_engine ? 0.05f
-                                                        : 1e-5f)
+              ASSERT_LE(std::fabs(x - y), int8_engine    ? 0.1f
+                                          : bf16_engine  ? 0.05f
+                                          : int16_engine ? 0.02f
+                                                         : 1e-5f)
                   << what << " h" << h << " row " << i << " col " << e;
             }
           }
