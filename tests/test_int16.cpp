@@ -297,13 +297,13 @@ TEST(Int16Lanes, SelectionRules) {
   // f32 inputs never take the integer lanes by themselves.
   EXPECT_NE(flash::select_engine(nullptr, DType::F32, ComputeDtype::f32, false).compute,
             ComputeDtype::int16);
-  // The automatic rule: all-16-bit operands, and only where the lanes outrun what bf16 calls
-  // run on (measured), never an emulated engine.
+  // The automatic rule is not applied yet (opt-in everywhere: the default path keeps bf16
+  // calls' LSE at f32 accuracy); its speed condition is measured all the same.
   const flash::Engine& automatic =
       flash::select_engine(nullptr, DType::BF16, ComputeDtype::f32, true);
   EXPECT_FALSE(automatic.emulated);
-  EXPECT_EQ(automatic.compute == ComputeDtype::int16, flash::int16_lanes_outrun())
-      << automatic.name;
+  EXPECT_NE(automatic.compute, ComputeDtype::int16) << automatic.name;
+  (void)flash::int16_lanes_outrun();
 }
 
 TEST(Int16Lanes, OptionsAndTheirErrors) {

@@ -92,18 +92,19 @@ bool half_operands(const AttentionProblem& p);
 // compute int8 (SAGE): the highest-ranked available int8 engine at or below the cap.
 // compute int16: the highest-ranked available int16 engine at or below the cap (an int16 cap:
 // itself), else the f32 engine as for compute f32. A cap that is an int16 engine is taken for
-// any compute but int8. Automatic (no cap, compute f32): an int16 engine where `half` (the
-// call's operands are all bf16 or all f16, half_operands) and int16_lanes_outrun() say so,
-// ranked against the engine compute f32 would choose.
+// any compute but int8. `half` (the call's operands are all bf16 or all f16, half_operands) is
+// the automatic rule's input; the rule itself (an int16 engine where int16_lanes_outrun()) is
+// not applied yet: the integer lanes are opt-in on every CPU (docs/semantics.md).
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute,
                             bool half = false);
 
 // True when this CPU's 16-bit integer lanes measurably outrun what a bf16 call would otherwise
-// run on (the measured int16 rate over the f32 FMA rate, detail::int16_dot_to_fma_ratio, at
-// least kInt16Margin, and above the bf16 dot's ratio where avx512_bf16 is chosen; never where
-// AMX is available). Measured once per process, on first use. The int16 engines' errors on the
-// hostile bf16 input classes are within 1.5x the bf16 engine semantics' (tests/test_int16.cpp),
-// the other condition of the automatic rule.
+// run on (the automatic rule's speed condition; select_engine does not apply it yet) (the measured
+// int16 rate over the f32 FMA rate, detail::int16_dot_to_fma_ratio, at least kInt16Margin, and
+// above the bf16 dot's ratio where avx512_bf16 is chosen; never where AMX is available). Measured
+// once per process, on first use. The int16 engines' errors on the hostile bf16 input classes are
+// within 1.5x the bf16 engine semantics' (tests/test_int16.cpp), the other condition of the
+// automatic rule.
 inline constexpr double kInt16Margin = 1.3;
 bool int16_lanes_outrun();
 
