@@ -21,6 +21,7 @@
 #include "backends/flash/kernels.hpp"
 #include "dattn/attention.hpp"
 #include "dattn/errors.hpp"
+#include "engine_logits.hpp"
 #include "test_inputs.hpp"
 
 namespace dattn {
@@ -164,23 +165,9 @@ TEST(Int16Lanes, EveryEngineComputesTheSameLogitsBitForBit) {
         for (const flash::Engine* e : engines) {
           SCOPED_TRACE(std::string(e->name) + " d " + std::to_string(d) + " keys " +
                        std::to_string(keys) + (extreme ? " extreme" : ""));
-          const flash::TileKernels& kk = e->kernels();
-          const int rows_p = (rows + kk.row_align - 1) / kk.row_align * kk.row_align;
-          ASSERT_LE(rows_p, 128);
-          std::vector<unsigned char> ws(kk.formats.workspace_bytes(rows_p, d, 64) + 64),
-              tile(kk.formats.k_tile_bytes(d) + 64);
-          const auto align = [](unsigned char* p) {
-            return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(p) + 63) / 64 * 64);
-          };
-          void* w = align(ws.data());
-          void* t = align(tile.data());
-          kk.formats.pack_q(qt.data(), 128, rows_p, d, 64, 0.125f, w);
-          kk.formats.pack_k(k.data(), d + 16, keys, d, t);
-          std::vector<float> st(std::size_t(keys) * 144, -1.0f);
-          kk.steps.qk(t, 0, qt.data(), 128, st.data(), 144, keys, rows_p, d, w);
-          std::vector<float> mine;
-          for (int j = 0; j < keys; ++j)
-            for (int r = 0; r < rows; ++r) mine.push_back(st[std::size_t(j) * 144 + r]);
+          const testing::EngineLogits got = testing::engine_logits(*e, qt, k, d, keys, rows);
+          ASSERT_TRUE(got.ok);
+          const std::vector<float>& mine = got.logits;
           for (int r = 0; r < rows; ++r) EXPECT_TRUE(std::isnan(mine[std::size_t(r)])) << r;
           for (int j = 0; j < keys; ++j)
             EXPECT_TRUE(std::isnan(mine[std::size_t(j) * rows + 7])) << j;
@@ -194,7 +181,7 @@ TEST(Int16Lanes, EveryEngineComputesTheSameLogitsBitForBit) {
                 ASSERT_NEAR(mine[std::size_t(j) * rows + r], 0.125 * dot, 1e-5 * 0.5 * d)
                     << "key " << j << " row " << r;
               }
-          results.push_back(std::move(mine));
+          results.push_back(mine);
         }
         for (std::size_t n2 = 1; n2 < results.size(); ++n2)
           EXPECT_EQ(
@@ -229,6 +216,61 @@ TEST(Int16Lanes, HiddenKeysChangeNoAnswer) {
     const ForwardResult ra = run(a, "FLASH", o, h, d), rb = run(b, "FLASH", o, h, d);
     EXPECT_TRUE(testing::bitwise_equal(ra.out, rb.out)) << e->name;
     EXPECT_TRUE(testing::bitwise_equal(*ra.lse, *rb.lse)) << e->name;
+  }
+}
+
+// VIDEO_SPARSE with qk_dtype int16 (every block selected, and a sparse selection): GQA, two
+// token populations, a key-padding mask whose keys (and the query rows it hides) hold garbage;
+// the other rows are the same bits whatever the garbage, within the engines' accuracy of
+// REFERENCE (or of VIDEO_SPARSE's f32 answer on the same blocks).
+TEST(Int16Lanes, VideoSparseOnTheIntegerLanes) {
+  const i64 s = 160, hq = 4, hkv = 2, d = 64, used = 131;
+  Case x = hostile("two_pops", hkv, s, s, d, DType::F32, 21);
+  const Case xq = hostile("two_pops", hq, s, s, d, DType::F32, 22);
+  Tensor q = Tensor::copy_of(xq.q.view());
+  Tensor mask = Tensor::zeros({1, s}, DType::Bool);
+  for (i64 j = 0; j < s; ++j) mask.data_as<std::uint8_t>()[j] = j < used ? 1 : 0;
+  AttentionMetadata m;
+  m.attn_mask = mask.view();
+  for (const flash::Engine* e : int16_engines()) {
+    SCOPED_TRACE(e->name);
+    for (const i64 topk : {i64(1000), i64(2)}) {
+      AttentionConfig c = testing::layer_config("VIDEO_SPARSE", hq, hkv, d);
+      c.backend_options["topk"] = topk;
+      if (topk == 2) c.backend_options["tile"] = std::string("1,1,32");
+      AttentionConfig f = c;  // the same blocks in f32
+      c.backend_options["qk_dtype"] = std::string("int16");
+      c.backend_options["isa"] = std::string(e->name);
+      const ForwardResult want =
+          topk == 1000 ? [&] {
+            AttentionConfig r = testing::layer_config("REFERENCE", hq, hkv, d);
+            return Attention(r).forward(q.view(), x.k.view(), x.v.view(), m, true);
+          }()
+                       : Attention(f).forward(q.view(), x.k.view(), x.v.view(), m, true);
+      Tensor first;
+      bool have = false;
+      for (const float g : {1e4f, std::numeric_limits<float>::quiet_NaN(), -3e38f}) {
+        for (i64 j = used; j < s; ++j)
+          for (i64 n = 0; n < hkv * d; ++n) {
+            x.k.data_as<float>()[j * hkv * d + n] = g;
+            x.v.data_as<float>()[j * hkv * d + n] = -g;
+          }
+        for (i64 i = used; i < s; ++i)
+          for (i64 n = 0; n < hq * d; ++n) q.data_as<float>()[i * hq * d + n] = 3 * g;
+        Attention layer(c);
+        const ForwardResult got = layer.forward(q.view(), x.k.view(), x.v.view(), m, true);
+        EXPECT_EQ(layer.last_engine(), e->name);
+        if (!have) {
+          have = true;
+          first = Tensor::copy_of(got.out.view());
+          const auto diff = testing::compare(got.out.view(), want.out.view());
+          EXPECT_FALSE(diff.nan);
+          EXPECT_LE(diff.normwise_rel, 5e-3) << "topk " << topk;
+        } else {
+          EXPECT_TRUE(testing::bitwise_equal(got.out, first)) << g << " topk " << topk;
+        }
+      }
+    }
   }
 }
 
@@ -297,13 +339,24 @@ TEST(Int16Lanes, SelectionRules) {
   // f32 inputs never take the integer lanes by themselves.
   EXPECT_NE(flash::select_engine(nullptr, DType::F32, ComputeDtype::f32, false).compute,
             ComputeDtype::int16);
-  // The automatic rule is not applied yet (opt-in everywhere: the default path keeps bf16
-  // calls' LSE at f32 accuracy); its speed condition is measured all the same.
+  // The automatic rule: all-16-bit operands, and only where the lanes outrun what bf16 calls
+  // run on (measured), never an emulated engine.
   const flash::Engine& automatic =
       flash::select_engine(nullptr, DType::BF16, ComputeDtype::f32, true);
   EXPECT_FALSE(automatic.emulated);
-  EXPECT_NE(automatic.compute, ComputeDtype::int16) << automatic.name;
-  (void)flash::int16_lanes_outrun();
+  EXPECT_EQ(automatic.compute == ComputeDtype::int16, flash::int16_lanes_outrun())
+      << automatic.name;
+  // Only calls whose rows see kInt16MinKeys keys on average, so that quantizing Q pays off.
+  AttentionProblem p;
+  p.segments = {{0, 0, 4096, 0, 512}};  // cross-attention on 512 text keys
+  EXPECT_FALSE(flash::keys_amortize_codes(p));
+  p.segments = {{0, 0, 4096, 0, 4096}, {1, 0, 10, 0, 10}};
+  EXPECT_TRUE(flash::keys_amortize_codes(p));
+  p.segments.clear();
+  EXPECT_FALSE(flash::keys_amortize_codes(p));
+  // Mixed or f32 operands never take them by themselves.
+  EXPECT_NE(flash::select_engine(nullptr, DType::BF16, ComputeDtype::f32, false).compute,
+            ComputeDtype::int16);
 }
 
 TEST(Int16Lanes, OptionsAndTheirErrors) {
@@ -337,8 +390,9 @@ TEST(Int16Lanes, OptionsAndTheirErrors) {
     EXPECT_EQ(layer.last_engine(), "avx512_vnni_int16_emulated") << backend;
     AttentionConfig r = testing::layer_config("REFERENCE", 2, 2, 64);
     const ForwardResult want = Attention(r).forward(q.view(), k.view(), v.view(), {}, true);
-    if (std::string(backend) == "SAGE")
+    if (std::string(backend) == "SAGE") {  // VIDEO_SPARSE's default selects some blocks
       EXPECT_LE(testing::compare(out.out.view(), want.out.view()).normwise_rel, 1.6e-2);
+    }
     s.backend_options["pv_dtype"] = std::string("int8");
     EXPECT_THROW(Attention{s}, InvalidArgument) << backend;
     s.backend_options.erase("pv_dtype");

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "dattn/attention.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/page_pool.hpp"
 #include "dattn/registry.hpp"
@@ -184,6 +185,7 @@ TEST(Paged, HalfPrecisionPagesWithGqaMatchReference) {
       const Tensor q = random_tensor({total, hq, d}, dtype, 3);
       const Tensor kn = random_tensor({total, hkv, d}, dtype, 4);
       const Tensor vn = random_tensor({total, hkv, d}, dtype, 5);
+      std::string ran;  // the engine of run()'s latest call
       const auto run = [&](const std::string& backend, Tensor& pk, Tensor& pv) {
         PagedAttentionCall call;
         Tensor out = Tensor::zeros({total, hq, d}, dtype);
@@ -194,7 +196,9 @@ TEST(Paged, HalfPrecisionPagesWithGqaMatchReference) {
         call.rows = rows;
         call.causal = causal;
         call.softmax_scale = 1.0 / std::sqrt(double(d));
-        Attention(testing::layer_config(backend, hq, hkv, d, causal)).forward_paged(call);
+        Attention layer(testing::layer_config(backend, hq, hkv, d, causal));
+        layer.forward_paged(call);
+        ran = layer.last_engine();
         return std::pair{out, lse};
       };
       Tensor ref_k = Tensor::copy_of(pool_k.view()), ref_v = Tensor::copy_of(pool_v.view());
@@ -208,7 +212,16 @@ TEST(Paged, HalfPrecisionPagesWithGqaMatchReference) {
         const auto diff = testing::compare(got.first.view(), want.first.view());
         EXPECT_FALSE(diff.nan);
         EXPECT_LE(diff.normwise_rel, testing::tolerance_for(dtype));
-        EXPECT_LE(testing::compare(got.second.view(), want.second.view()).max_abs, 1e-4);
+        // bf16 / f16 calls FLASH's automatic rule puts on the 16-bit integer lanes (where they
+        // outrun the float mixes): logits of 13-bit codes, the LSE within 1e-3
+        // (docs/semantics.md, "16-bit integer lanes").
+        const std::vector<EngineInfo> engines = flash_engines();
+        const bool int16 = std::any_of(engines.begin(), engines.end(), [&](const EngineInfo& e) {
+          return e.name == ran && e.compute_dtype == "int16";
+        });
+        EXPECT_LE(testing::compare(got.second.view(), want.second.view()).max_abs,
+                  int16 ? 1e-3 : 1e-4)
+            << ran;
       }
     }
 }

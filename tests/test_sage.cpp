@@ -20,6 +20,7 @@
 #include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 #include "dattn/registry.hpp"
+#include "engine_logits.hpp"
 #include "test_inputs.hpp"
 
 namespace dattn {
@@ -138,23 +139,9 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
         for (const flash::Engine* e : engines) {
           SCOPED_TRACE(std::string(e->name) + " d " + std::to_string(d) + " keys " +
                        std::to_string(keys) + (extreme ? " extreme" : ""));
-          const flash::TileKernels& kk = e->kernels();
-          const int rows_p = (rows + kk.row_align - 1) / kk.row_align * kk.row_align;
-          ASSERT_LE(rows_p, 128);
-          std::vector<unsigned char> ws(kk.formats.workspace_bytes(rows_p, d, 64) + 64),
-              tile(kk.formats.k_tile_bytes(d) + 64);
-          const auto align = [](unsigned char* p) {
-            return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(p) + 63) / 64 * 64);
-          };
-          void* w = align(ws.data());
-          void* t = align(tile.data());
-          kk.formats.pack_q(qt.data(), 128, rows_p, d, 64, 0.125f, w);
-          kk.formats.pack_k(k.data(), d + 16, keys, d, t);
-          std::vector<float> st(std::size_t(keys) * 144, -1.0f);
-          kk.steps.qk(t, 0, qt.data(), 128, st.data(), 144, keys, rows_p, d, w);
-          std::vector<float> mine;
-          for (int j = 0; j < keys; ++j)
-            for (int r = 0; r < rows; ++r) mine.push_back(st[std::size_t(j) * 144 + r]);
+          const testing::EngineLogits got = testing::engine_logits(*e, qt, k, d, keys, rows);
+          ASSERT_TRUE(got.ok);
+          const std::vector<float>& mine = got.logits;
           for (int r = 0; r < rows; ++r) EXPECT_TRUE(std::isnan(mine[std::size_t(r)])) << r;
           for (int j = 0; j < keys; ++j)
             EXPECT_TRUE(std::isnan(mine[std::size_t(j) * rows + 7])) << j;
@@ -168,7 +155,7 @@ TEST(SageEngines, EveryEngineComputesTheSameLogitsBitForBit) {
                 ASSERT_NEAR(mine[std::size_t(j) * rows + r], 0.125 * dot, 1e-5 * 0.5 * d)
                     << "key " << j << " row " << r;
               }
-          results.push_back(std::move(mine));
+          results.push_back(mine);
         }
         for (std::size_t n2 = 1; n2 < results.size(); ++n2)
           EXPECT_EQ(

@@ -458,62 +458,63 @@ Rate measure(Kernel fn, double flops_per_iter, int threads, double seconds) {
   return best;
 }
 
+#if defined(__x86_64__)
+// One thread's rate of `other` over that of `base` (both in ops): short trials of the two loops
+// alternate, so a neighbour taking the core for a while slows both alike, and the best trial of
+// each counts; calibrated (and the core warmed up) on `base`.
+double interleaved_ratio(Kernel base, double base_ops, Kernel other, double other_ops) {
+  long long iters = 1024;
+  Run run = run_parallel(base, iters, 1, base_ops);
+  while (run.seconds < 5e-4 && iters < (1LL << 40)) {
+    iters *= 2;
+    run = run_parallel(base, iters, 1, base_ops);
+  }
+  double b = 0, o = 0;
+  for (int t = 0; t < 16; ++t) {  // short trials: some of each run between preemptions
+    b = std::max(b, run_parallel(base, iters, 1, base_ops).gflops);
+    o = std::max(o, run_parallel(other, iters, 1, other_ops).gflops);
+  }
+  return b > 0 ? o / b : 0;
+}
+
+// The 16-bit integer lanes' loop on this CPU (vpdpwssd zmm, vpdpwssd ymm, or AVX2's vpmaddwd +
+// vpaddd), its ops per call (2 per int16 product) and its name; fn nullptr without AVX2.
+struct Int16Dot {
+  Kernel fn = nullptr;
+  double ops = 0;
+  const char* isa = "";
+};
+Int16Dot int16_dot_of(const CpuFeatures& f) {
+  if (f.avx512f && f.avx512_vnni)
+    return {dot16_avx512vnni, 32.0 * 2 * kChains, "avx512_vnni (vpdpwssd)"};
+  if (f.avx2 && f.avx_vnni) return {dot16_avxvnni, 16.0 * 2 * kChains, "avx_vnni (vpdpwssd)"};
+  if (f.avx2) return {dot16_avx2, 16.0 * 2 * kSignChains, "avx2 (vpmaddwd + vpaddd)"};
+  return {};
+}
+#endif
+
 // One thread's vdpbf16ps rate over its f32 FMA rate (both in flops: a bf16 pair product and
-// an f32 FMA are 2 flops each): short trials of the two loops alternate, so a neighbour taking
-// the core for a while slows both alike, and the best trial of each counts.
+// an f32 FMA are 2 flops each), interleaved.
 double bf16_dot_ratio_uncached() {
 #if defined(__x86_64__)
   const CpuFeatures& f = cpu_features();
   if (!f.avx512f || !f.avx512_bf16) return 0;
-  constexpr double kF32Flops = 2.0 * 16 * kChains, kBf16Flops = 16.0 * 2 * 2 * kChains;
-  long long iters = 1024;  // calibrate (and warm the core up) on the f32 loop
-  Run run = run_parallel(fma_avx512, iters, 1, kF32Flops);
-  while (run.seconds < 5e-4 && iters < (1LL << 40)) {
-    iters *= 2;
-    run = run_parallel(fma_avx512, iters, 1, kF32Flops);
-  }
-  double f32 = 0, bf16 = 0;
-  for (int t = 0; t < 16; ++t) {  // short trials: some of each run between preemptions
-    f32 = std::max(f32, run_parallel(fma_avx512, iters, 1, kF32Flops).gflops);
-    bf16 = std::max(bf16, run_parallel(dot_avx512bf16, iters, 1, kBf16Flops).gflops);
-  }
-  return f32 > 0 ? bf16 / f32 : 0;
+  return interleaved_ratio(fma_avx512, 2.0 * 16 * kChains, dot_avx512bf16, 16.0 * 2 * 2 * kChains);
 #else
   return 0;
 #endif
 }
 
-// One thread's rate on the 16-bit integer lanes the int16 engines use (vpdpwssd zmm / ymm, or
-// vpmaddwd + vpaddd) over its f32 FMA rate on the f32 engine's registers, both in ops, the same
-// interleaved short trials; 0 without AVX2.
+// One thread's rate on the 16-bit integer lanes the int16 engines use over its f32 FMA rate on
+// the f32 engine's registers (AVX-512 or AVX2), both in ops, interleaved; 0 without AVX2.
 double int16_dot_ratio_uncached() {
 #if defined(__x86_64__)
   const CpuFeatures& f = cpu_features();
   if (!(f.avx2 && f.fma)) return 0;
   const bool wide = f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl;
-  const Kernel fma = wide ? fma_avx512 : fma_avx2;
-  const double f32_ops = 2.0 * (wide ? 16 : 8) * kChains;
-  Kernel dot = dot16_avx2;
-  double dot_ops = 16.0 * 2 * kSignChains;
-  if (f.avx512f && f.avx512_vnni) {
-    dot = dot16_avx512vnni;
-    dot_ops = 32.0 * 2 * kChains;
-  } else if (f.avx_vnni) {
-    dot = dot16_avxvnni;
-    dot_ops = 16.0 * 2 * kChains;
-  }
-  long long iters = 1024;
-  Run run = run_parallel(fma, iters, 1, f32_ops);
-  while (run.seconds < 5e-4 && iters < (1LL << 40)) {
-    iters *= 2;
-    run = run_parallel(fma, iters, 1, f32_ops);
-  }
-  double f32 = 0, int16 = 0;
-  for (int t = 0; t < 16; ++t) {
-    f32 = std::max(f32, run_parallel(fma, iters, 1, f32_ops).gflops);
-    int16 = std::max(int16, run_parallel(dot, iters, 1, dot_ops).gflops);
-  }
-  return f32 > 0 ? int16 / f32 : 0;
+  const Int16Dot dot = int16_dot_of(f);
+  return interleaved_ratio(wide ? fma_avx512 : fma_avx2, 2.0 * (wide ? 16 : 8) * kChains, dot.fn,
+                           dot.ops);
 #else
   return 0;
 #endif
@@ -587,15 +588,9 @@ PeakGflops measure_uncached(int threads, double seconds) {
     out.int8_dot_unavailable = "this CPU lacks AVX2 (the SAGE engines run portable C++)";
   }
   // The 16-bit integer lanes: 2 ops per int16 product.
-  if (f.avx512f && f.avx512_vnni) {
-    out.int16_dot = measure(dot16_avx512vnni, 32.0 * 2 * kChains, threads, share).gflops;
-    out.int16_dot_isa = "avx512_vnni (vpdpwssd)";
-  } else if (f.avx2 && f.avx_vnni) {
-    out.int16_dot = measure(dot16_avxvnni, 16.0 * 2 * kChains, threads, share).gflops;
-    out.int16_dot_isa = "avx_vnni (vpdpwssd)";
-  } else if (f.avx2) {
-    out.int16_dot = measure(dot16_avx2, 16.0 * 2 * kSignChains, threads, share).gflops;
-    out.int16_dot_isa = "avx2 (vpmaddwd + vpaddd)";
+  if (const Int16Dot dot = int16_dot_of(f); dot.fn != nullptr) {
+    out.int16_dot = measure(dot.fn, dot.ops, threads, share).gflops;
+    out.int16_dot_isa = dot.isa;
   } else {
     out.int16_dot_unavailable = "this CPU lacks AVX2 (vpmaddwd)";
   }

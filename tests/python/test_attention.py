@@ -28,7 +28,14 @@ def test_dense_gqa_every_dtype_with_lse(dtype, causal):
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 6, 37)
     want, want_lse = oracle(q, k, v, causal_offset=41 - 37 if causal else None)
     assert_close(out, want, dtype)
-    assert_close(lse, want_lse, torch.float32, "lse")
+    engines = {e["name"]: e for e in dattn.flash_engines()}
+    if engines[layer.last_engine]["compute_dtype"] == "int16":
+        # bf16 / f16 calls on the 16-bit integer lanes (the automatic rule, where they outrun the
+        # float mixes): the logits of 13-bit codes, the LSE within 1e-4 (docs/semantics.md).
+        lse_err = float((lse.double() - want_lse.double()).norm() / want_lse.double().norm())
+        assert lse_err <= 1e-4, lse_err
+    else:
+        assert_close(lse, want_lse, torch.float32, "lse")
 
 
 def test_softmax_scale_and_value_head_size():

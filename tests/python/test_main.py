@@ -61,7 +61,8 @@ def test_info_under_a_cpu_feature_mask(mask):
     assert set(features) <= set(data["cpu"]["detected_features"])
     available = {e["name"] for e in data["engines"] if e["available"]}
     real = {e["name"] for e in data["engines"] if e["available"] and not e["emulated"]}
-    allowed = {"portable", "portable_int8"} | ({"avx2", "avx2_int8"} if mask == "avx2" else set())
+    allowed = {"portable", "portable_int8"} | (
+        {"avx2", "avx2_int8", "avx2_int16"} if mask == "avx2" else set())
     assert real <= allowed, available
     assert data["peak_gflops"]["bf16_dot"] is None and data["peak_gflops"]["amx_bf16"] is None
     assert data["peak_gflops"]["amx_int8"] is None and data["peak_gflops"]["amx_int8_unavailable"]

@@ -222,6 +222,15 @@ std::optional<ComputeDtype> parse_qk_dtype(const BackendOptions& options, bool f
                             "more accurate)");
 }
 
+bool keys_amortize_codes(const AttentionProblem& p) {
+  double rows = 0, products = 0;
+  for (const Segment& s : p.segments) {
+    rows += double(s.q_end - s.q_begin);
+    products += double(s.q_end - s.q_begin) * double(s.k_end - s.k_begin);
+  }
+  return rows > 0 && products >= double(kInt16MinKeys) * rows;
+}
+
 bool half_operands(const AttentionProblem& p) {
   for (const DType want : {DType::BF16, DType::F16}) {
     bool all = p.q.dtype() == want && p.k.dtype() == want && p.v.dtype() == want &&
@@ -264,9 +273,9 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
     if (const Engine* e = integer_engine(cap, ComputeDtype::int16)) return *e;
     return select_engine(cap, input, ComputeDtype::f32);  // no integer lanes: f32
   }
-  // The automatic rule (`half` and int16_lanes_outrun()) is not applied yet: the default path
-  // keeps bf16 calls' LSE at f32 accuracy (docs/semantics.md, "16-bit integer lanes").
-  (void)half;
+  // The automatic rule (docs/semantics.md, "16-bit integer lanes").
+  if (compute == ComputeDtype::f32 && cap == nullptr && half && int16_lanes_outrun())
+    if (const Engine* e = integer_engine(nullptr, ComputeDtype::int16)) return *e;
   if (compute == ComputeDtype::int8) {
     for (auto it = kEngines.rbegin(); it != kEngines.rend(); ++it) {
       const Engine& e = *it;

@@ -83,6 +83,14 @@ std::optional<ComputeDtype> parse_qk_dtype(const BackendOptions& options, bool f
 // one is f16: the calls the automatic rule may run on 16-bit integer lanes.
 bool half_operands(const AttentionProblem& p);
 
+// Whether a call's query rows see kInt16MinKeys keys or more on average (over its segments):
+// where they see fewer, quantizing each query row and the statistics over Q cost more than the
+// faster dots win back (an AVX2 proxy, bf16: wan-480p-cross's 512 text keys 0.95x and `small`
+// 0.87x avx2 f32; wan-480p, flux-1024 and packed-docs 1.3-1.5x), so the automatic rule leaves
+// such calls on the float engines.
+inline constexpr int kInt16MinKeys = 1024;
+bool keys_amortize_codes(const AttentionProblem& p);
+
 // The engine for a call with inputs of `input` dtype: the highest-ranked available engine at or
 // below `cap` (nullptr: no cap) that serves it. f32 engines serve every call; bf16 engines serve
 // bf16 inputs and calls with compute_dtype bf16. An emulated engine serves only when it is the
@@ -92,14 +100,14 @@ bool half_operands(const AttentionProblem& p);
 // compute int8 (SAGE): the highest-ranked available int8 engine at or below the cap.
 // compute int16: the highest-ranked available int16 engine at or below the cap (an int16 cap:
 // itself), else the f32 engine as for compute f32. A cap that is an int16 engine is taken for
-// any compute but int8. `half` (the call's operands are all bf16 or all f16, half_operands) is
-// the automatic rule's input; the rule itself (an int16 engine where int16_lanes_outrun()) is
-// not applied yet: the integer lanes are opt-in on every CPU (docs/semantics.md).
+// any compute but int8. Automatic (no cap, compute f32): an int16 engine where `half` (the
+// call's operands are all bf16 or all f16, half_operands, and its rows see enough keys,
+// keys_amortize_codes) and int16_lanes_outrun() say so.
 const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute,
                             bool half = false);
 
 // True when this CPU's 16-bit integer lanes measurably outrun what a bf16 call would otherwise
-// run on (the automatic rule's speed condition; select_engine does not apply it yet) (the measured
+// run on (the measured
 // int16 rate over the f32 FMA rate, detail::int16_dot_to_fma_ratio, at least kInt16Margin, and
 // above the bf16 dot's ratio where avx512_bf16 is chosen; never where AMX is available). Measured
 // once per process, on first use. The int16 engines' errors on the hostile bf16 input classes are

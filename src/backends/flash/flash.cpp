@@ -741,7 +741,8 @@ class FlashImpl final : public Impl {
   }
 
   std::unique_ptr<Plan> plan(const AttentionProblem& p) const override {
-    const Engine& engine = select_engine(cap_, operand_dtype(p), compute_, half_operands(p));
+    const Engine& engine =
+        select_engine(cap_, operand_dtype(p), compute_, half_operands(p) && keys_amortize_codes(p));
     auto plan = std::make_unique<FlashPlan>(
         p.signature, engine,
         engine.compute == ComputeDtype::int8 ? int8_engine_kernels(engine, pv_) : engine.kernels());

@@ -186,11 +186,8 @@ struct Avx512Vnni {
 struct Avx512VnniInt16 : Avx512Vnni {
   static constexpr int G = 2;
   static constexpr bool kOffsetQ = false, kExact = true;
-  static ireg dot(ireg acc, ireg q, std::uint32_t k) {
-    const ireg kk = _mm512_set1_epi32(std::int32_t(k));
-    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(q), "v"(kk));
-    return acc;
-  }
+  // vpdpwssd is symmetric: the key group broadcast as P.V broadcasts P's.
+  static ireg dot(ireg acc, ireg q, std::uint32_t k) { return dot_pv16(acc, q, k); }
 };
 
 constexpr Int8Functions kInt16 =
