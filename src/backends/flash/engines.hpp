@@ -15,6 +15,7 @@
 // compute_dtype (select_engine).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
@@ -114,6 +115,14 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
 // within 1.5x the bf16 engine semantics' (tests/test_int16.cpp), the other condition of the
 // automatic rule.
 inline constexpr double kInt16Margin = 1.3;
+
+// How many exact channels the smoothing moves to the end of a head of d for engine `e`
+// (item_driver.hpp, Smoothing::finish): the int16 engines' (kernels.hpp,
+// int16_exact_channels) unless the keys are rotated (which spreads what the channels would
+// single out); none for the others.
+inline int smoothing_exact_channels(const Engine& e, bool rotate, std::int64_t d) {
+  return e.compute == ComputeDtype::int16 && !rotate ? int16_exact_channels(int(d)) : 0;
+}
 bool int16_lanes_outrun();
 
 // What a SAGE engine computes P.V in (backend option pv_dtype): auto (automatic_pv_dtype), bf16,

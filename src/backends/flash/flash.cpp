@@ -380,9 +380,7 @@ class Worker {
         sums.query(row, d);
       }
     Smoothing::finish(sums, st.smoothing, d, plan_.balance_qk,
-                      plan_.chosen.compute == ComputeDtype::int16 && !plan_.rotate
-                          ? int16_exact_channels(int(d))
-                          : 0);
+                      smoothing_exact_channels(plan_.chosen, plan_.rotate, d));
     st.smoothing.rotate = plan_.rotate;
     // Tiles holding two populations (item_driver.hpp, Smoothing::split_tiles).
     thread_local std::vector<float> rows;

@@ -566,8 +566,7 @@ class VideoSparseImpl final : public Impl {
     plan->smooth_k = integer && smooth_k_ && kk.formats.own();
     plan->balance_qk = plan->smooth_k && balance_qk_;
     plan->rotate = integer && rotate_ && kk.formats.own();
-    if (engine.compute == flash::ComputeDtype::int16 && !plan->rotate)
-      plan->exact = flash::int16_exact_channels(int(p.d));
+    plan->exact = flash::smoothing_exact_channels(engine, plan->rotate, p.d);
     plan->scratch_floats = Tile::floats(plan->shape, plan->ld_k, plan->ld_v,
                                         kk.formats.own() ? 1 : kk.loop.panel_tiles);
     return plan;
