@@ -252,11 +252,11 @@ int time_ceilings(int rounds) {
       {"f32 FMA (vfmadd231ps ymm): avx2's Q.K^T and P.V", &mix_fma, 24 * 16, kYmm, nullptr},
       {"avx2_int8 Q.K^T step (vpbroadcastd, vpxor, vpmaddubsw, vpmaddwd, vpaddd)", &mix_int8_qk,
        8 * 32 * 2, kYmm, nullptr},
-      {"avx2_int8 P.V step on int16 pairs (vpbroadcastd, vpmaddwd, vpaddd)", &mix_int16_pv,
+      {"int16 pairs (vpbroadcastd, vpmaddwd, vpaddd): avx2_int8 P.V, avx2_int16", &mix_int16_pv,
        8 * 16 * 2, kYmm, nullptr},
       {"avx_vnni Q.K^T step (vpbroadcastd, vpdpbusd ymm)", &mix_vnni256_qk, 8 * 32 * 2, kYmm,
        lacks(f.avx_vnni, "AVX-VNNI")},
-      {"avx_vnni P.V step on int16 pairs (vpbroadcastd, vpdpwssd ymm)", &mix_vnni256_pv16,
+      {"int16 pairs (vpbroadcastd, vpdpwssd ymm): avx_vnni P.V, avx_vnni_int16", &mix_vnni256_pv16,
        8 * 16 * 2, kYmm, lacks(f.avx_vnni, "AVX-VNNI")},
       {"f32 FMA (vfmadd231ps zmm): avx512's Q.K^T and P.V", &mix_zmm_fma, 24 * 32, kZmm,
        lacks(avx512, "AVX-512")},
@@ -264,8 +264,8 @@ int time_ceilings(int rounds) {
        16 * 32 * 2, kZmm, lacks(avx512 && f.avx512_bf16, "AVX512-BF16")},
       {"avx512_vnni Q.K^T step (vpbroadcastd, vpdpbusd zmm)", &mix_zmm_vnni_qk, 16 * 64 * 2, kZmm,
        lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
-      {"avx512_vnni P.V step on int16 pairs (vpbroadcastd, vpdpwssd zmm)", &mix_zmm_pv16,
-       16 * 32 * 2, kZmm, lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
+      {"int16 pairs (vpbroadcastd, vpdpwssd zmm): avx512_vnni P.V, avx512_vnni_int16",
+       &mix_zmm_pv16, 16 * 32 * 2, kZmm, lacks(avx512 && f.avx512_vnni, "AVX512-VNNI")},
   };
   constexpr long kIters = 8'000'000;
   using clock = std::chrono::steady_clock;
