@@ -18,6 +18,7 @@
 
 #include "core/amx_permission.hpp"
 #include "dattn/cpu_info.hpp"
+#include "dattn/engines.hpp"
 #include "dattn/errors.hpp"
 
 namespace dattn {
@@ -217,6 +218,47 @@ TEST(CpuFeatureMask, TheProcessSeesTheMaskedCpu) {
   if (spec == nullptr) {
     EXPECT_EQ(cpu_features().names(), detected_cpu_features().names());
   }
+}
+
+// Never silently slow: the rule fires exactly where the automatic engine is a portable one on a
+// CPU that has SIMD (masked or not served), e.g. under DATTN_CPU_FEATURES=portable on x86 (the
+// masked CTest run) and on AArch64 without an engine for NEON; it names the CPU, the engine and
+// what is unused. Unmasked on an x86 CPU with AVX2 it is silent.
+TEST(SimdShortfall, FiresExactlyWhereAPortableEngineServesASimdCpu) {
+  std::string automatic;
+  int automatic_rank = -1;
+  for (const EngineInfo& e : flash_engines()) {
+    if (e.compute_dtype == "f32" && !e.emulated && !e.unavailable_reason &&
+        e.rank > automatic_rank) {
+      automatic = e.name;
+      automatic_rank = e.rank;
+    }
+  }
+  ASSERT_FALSE(automatic.empty());
+  bool simd = !detected_cpu_features().names().empty();
+#if defined(__x86_64__)
+  simd = true;  // SSE2 on every x86-64 CPU
+#endif
+  const std::optional<SimdShortfall> s = simd_shortfall();
+  EXPECT_EQ(s.has_value(), automatic_rank == 0 && simd) << automatic;
+  if (s) {
+    EXPECT_EQ(s->engine, automatic);
+    EXPECT_NE(s->message.find(s->cpu), std::string::npos) << s->message;
+    EXPECT_NE(s->message.find(automatic + " engine"), std::string::npos) << s->message;
+    EXPECT_FALSE(s->unused.empty());
+    EXPECT_NE(s->message.find(s->unused), std::string::npos) << s->message;
+    const char* spec = std::getenv("DATTN_CPU_FEATURES");
+    if (cpu_features().names().empty() && !detected_cpu_features().names().empty()) {
+      ASSERT_NE(spec, nullptr);
+      EXPECT_NE(s->message.find("DATTN_CPU_FEATURES"), std::string::npos) << s->message;
+    }
+  }
+#if defined(__x86_64__)
+  if (std::getenv("DATTN_CPU_FEATURES") == nullptr && detected_cpu_features().avx2 &&
+      detected_cpu_features().fma && detected_cpu_features().f16c) {
+    EXPECT_FALSE(s.has_value()) << s->message;
+  }
+#endif
 }
 
 TEST(CpuInfo, BrandIsTrimmed) {

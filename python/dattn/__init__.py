@@ -39,6 +39,7 @@ from .backends import (
     measure_peak_gflops,
 )
 from .memory import empty_cache, memory_stats
+from .slow_cpu import FarBelowCpuWarning, far_below_cpu
 from .sdpa import patch_torch_sdpa, scaled_dot_product_attention
 
 
@@ -58,6 +59,7 @@ __all__ = [
     "AttentionMetadata",
     "BackendInfo",
     "Error",
+    "FarBelowCpuWarning",
     "InvalidArgument",
     "InvalidArgumentType",
     "NotAvailable",
@@ -73,6 +75,7 @@ __all__ = [
     "backends",
     "cpu_info",
     "empty_cache",
+    "far_below_cpu",
     "flash_engines",
     "get_backend",
     "measure_peak_gflops",

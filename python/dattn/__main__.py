@@ -62,6 +62,7 @@ def info(threads: int = 0) -> dict:
                 "features": list(cpu["features"]),
                 "detected_features": list(cpu["detected_features"]),
                 "feature_mask": cpu["feature_mask"]},
+        "far_below_cpu": cpu["far_below_cpu"],
         "threads": threads,
         "peak_gflops": {
             **{k: peak[k] for k in ("f32_fma", "bf16_dot", "bf16_dot_unavailable", "amx_bf16",
@@ -105,6 +106,8 @@ def format_text(data: dict) -> str:
         features += (f" (DATTN_CPU_FEATURES={cpu['feature_mask']}; "
                      f"detected {_cell(cpu['detected_features'])})")
     label("features", features)
+    if data["far_below_cpu"] is not None:
+        label("WARNING", data["far_below_cpu"])
     label("threads", str(data["threads"]))
     peak = data["peak_gflops"]
     label("peak timing", f"{peak['threads']} thread(s) timed together over one interval, at most "

@@ -103,6 +103,10 @@ class Attention:
         self.causal = bool(causal)
         self.prefix = prefix
         LAYERS_BY_ID[id(self)] = self
+        if self._layer.backend_name != "REFERENCE":
+            from .slow_cpu import warn_explicit
+
+            warn_explicit("dattn.Attention")
 
     @property
     def backend_name(self) -> str:

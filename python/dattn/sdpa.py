@@ -133,7 +133,9 @@ def scaled_dot_product_attention(
     del enable_gqa  # GQA is always served
     torch = _torch()
     from . import torch_adapter as ta
+    from .slow_cpu import warn_explicit
 
+    warn_explicit("dattn.scaled_dot_product_attention")
     causal = ta.CAUSAL_NONE
     bias = ta._causal_bias_mode(attn_mask)
     if bias is not None:

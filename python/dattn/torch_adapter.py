@@ -91,12 +91,16 @@ class Client:
     one."""
 
     def __init__(self, name: str, backend: Optional[str] = None,
-                 backend_kwargs: Optional[dict] = None):
+                 backend_kwargs: Optional[dict] = None, explicit: bool = True):
         self.name = name
         self.backend, self.allow_fallback = adapter_backend(backend)
         self.backend_kwargs = dict(backend_kwargs or {})
         if self.backend_kwargs:
             check_backend_kwargs(self.backend, self.backend_kwargs)
+        if explicit and self.backend != "REFERENCE":  # a user chose dattn for `name`
+            from .slow_cpu import warn_explicit
+
+            warn_explicit(name)
         self.config = json.dumps(
             {"backend": self.backend, "allow_fallback": self.allow_fallback,
              "backend_kwargs": self.backend_kwargs},
@@ -130,17 +134,18 @@ class Client:
 _CONFIGS: Dict[str, Client] = {}
 
 #: The client of calls inside compiled or traced graphs (their decisions at run time).
-GRAPHS = Client("graphs")
+GRAPHS = Client("graphs", explicit=False)
 
 #: The client of dattn.scaled_dot_product_attention and dattn.Attention.
-OWN = Client("dattn")
+OWN = Client("dattn", explicit=False)
 
 
 def _client_of(config: str) -> Client:
     client = _CONFIGS.get(config)
     if client is None:  # a graph made in another process: rebuild the configuration
         data = json.loads(config) if config else {}
-        client = Client("graph", data.get("backend"), data.get("backend_kwargs"))
+        client = Client("graph", data.get("backend"), data.get("backend_kwargs"),
+                        explicit=False)
     return client
 
 

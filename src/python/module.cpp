@@ -756,6 +756,10 @@ PYBIND11_MODULE(_core, m) {
                                                " \t\n\v\f\r") != std::string_view::npos
                             ? py::cast(std::string(mask))
                             : py::none();
+    // The never-silently-slow rule (dattn/engines.hpp): why automatic calls run far below this
+    // CPU, or None.
+    const std::optional<SimdShortfall> shortfall = simd_shortfall();
+    d["far_below_cpu"] = shortfall ? py::cast(shortfall->message) : py::none();
     d["max_threads"] = kMaxThreads;
     d["default_threads"] = default_threads();  // what a call uses (the one thread bound)
     d["affinity_cpus"] = affinity_cpus();      // the CPUs this process may run on

@@ -173,3 +173,13 @@ def test_a_cuda_only_backend_is_refused_naming_it_and_the_valid_ones(engine, mod
     assert run.returncode != 0
     assert "FLASH_ATTN" in run.log and "Valid here: DATTN" in run.log, run.tail()
     assert "TORCH_SDPA" in run.log and "VIDEO_SPARSE" in run.log
+
+
+def test_far_below_the_cpu_the_engine_keeps_its_own_sdpa(engine, models):
+    """Never silently slow, in the real engine: where dattn would run far below the CPU
+    (DATTN_CPU_FEATURES=portable provokes it), a request with no DIFFUSION_ATTENTION_BACKEND is
+    served by the engine's own SDPA on dattn's platform, and the log says why."""
+    run = ok(engine(models("flux"), [{"height": 64, "width": 64, "steps": 1, "seed": 0}],
+                    env={"DATTN_CPU_FEATURES": "portable"}, timeout=180))
+    assert set(computed(run)) == {("engine:SDPA",)}, computed(run)
+    assert "far below" in run.log and "TORCH_SDPA" in run.log, run.tail()

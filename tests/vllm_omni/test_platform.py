@@ -135,3 +135,35 @@ def test_the_patches_and_their_switch():
     r = _python("from dattn.vllm_omni import patches; print(patches.applies('ring'))",
                 DATTN_VLLM_OMNI_SKIP_PATCHES="ring")
     assert r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+def test_far_below_the_cpu_the_default_is_the_engines_sdpa_with_one_warning():
+    """Never silently slow: where dattn runs far below the CPU (provoked here with
+    DATTN_CPU_FEATURES=portable), the platform still activates, but its default backend (no
+    DIFFUSION_ATTENTION_BACKEND) is the engine's TORCH_SDPA, with one warning saying why; the
+    explicit DATTN still runs dattn. On the real CPU the default is dattn, without a warning."""
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import dattn\n"
+        "    from vllm_omni.platforms import current_omni_platform as p\n"
+        "    from dattn.vllm_omni.platform import DattnCpuOmniPlatform\n"
+        "    assert isinstance(p, DattnCpuOmniPlatform)\n"
+        "    default = p.get_diffusion_attn_backend_cls(None, 128)\n"
+        "    again = p.get_diffusion_attn_backend_cls(None, 64)\n"
+        "    named = p.get_diffusion_attn_backend_cls('DATTN', 128)\n"
+        "n = sum(issubclass(w.category, dattn.FarBelowCpuWarning) for w in seen)\n"
+        "print(default, again, named, n, sep='|')\n")
+    r = _python(code, DATTN_CPU_FEATURES="portable")
+    assert r.returncode == 0, r.stderr[-3000:]
+    default, again, named, warned = r.stdout.strip().splitlines()[-1].split("|")
+    assert "sdpa" in default.lower() and again == default, default
+    assert named == "dattn.vllm_omni.DattnAttentionBackend"
+    assert warned == "1", r.stdout
+    assert "far below" in r.stderr and "TORCH_SDPA" in r.stderr, r.stderr[-3000:]
+    r = _python(code, DATTN_CPU_FEATURES="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    default, again, named, warned = r.stdout.strip().splitlines()[-1].split("|")
+    assert default == named == "dattn.vllm_omni.DattnAttentionBackend" and warned == "0"

@@ -106,6 +106,10 @@ json info_json(int threads, const PeakGflops& peak) {
               {"features", cpu.names()},
               {"detected_features", detected_cpu_features().names()},
               {"feature_mask", feature_mask_env()}};
+  // The never-silently-slow rule (dattn/engines.hpp): why automatic calls run far below this
+  // CPU, or null.
+  const std::optional<SimdShortfall> shortfall = simd_shortfall();
+  j["far_below_cpu"] = shortfall ? json(shortfall->message) : json(nullptr);
   j["threads"] = threads;
   // Every kind of peak an engine is held to; null where not measured, with the reason.
   const auto rate = [](const std::optional<double>& x) { return x ? json(*x) : json(nullptr); };
@@ -183,6 +187,8 @@ void print_text(std::ostream& os, const json& info) {
     os << " (DATTN_CPU_FEATURES=" << info["cpu"]["feature_mask"].get<std::string>() << "; detected "
        << cell(info["cpu"]["detected_features"]) << ")";
   os << '\n';
+  if (!info["far_below_cpu"].is_null())
+    label("WARNING") << info["far_below_cpu"].get<std::string>() << '\n';
   label("threads") << info["threads"].get<int>() << '\n';
   label("peak timing") << info["peak_gflops"]["threads"].get<int>()
                        << " thread(s) timed together over one interval, at most the "

@@ -6,7 +6,9 @@ the engine's ``OmniPlatform`` interface, with what the engine calls on a diffusi
 answered truly for a CPU host (found by running the engine: docs/vllm-omni.md):
 
 - **Attention.** The platform's diffusion attention is dattn's backend
-  (``dattn.vllm_omni.DattnAttentionBackend``): by default and for the name ``DATTN``, resolved
+  (``dattn.vllm_omni.DattnAttentionBackend``): by default (unless dattn runs far below this CPU,
+  ``dattn.far_below_cpu()``: then the default is the engine's ``TORCH_SDPA``, with one warning
+  saying why) and for the name ``DATTN``, resolved
   here without the engine's closed ``DiffusionAttentionBackendEnum``. dattn's own backend names
   (``FLASH``, ``SAGE``, ``REFERENCE``, ``VIDEO_SPARSE``) select dattn's backend as well, and the
   layer then runs on that dattn backend. ``SAGE_ATTN`` and ``SAGE_ATTN_3`` select dattn's SAGE
@@ -189,6 +191,9 @@ def _make_platform_class():
             if name in ENGINE_NAMES:
                 return cls.engine_backend_cls(name, head_size)
             if name in SAGE_NAMES:  # SageAttention's scheme on the CPU: dattn's SAGE
+                from ..slow_cpu import warn_explicit
+
+                warn_explicit(f"DIFFUSION_ATTENTION_BACKEND={name}")
                 cls.validate_dattn_backend(head_size)
                 return SAGE_QUALNAME
             if name is not None and name not in dattn_names():
@@ -200,6 +205,17 @@ def _make_platform_class():
                     f"{', '.join(dattn_names()[1:])}, and the engine's "
                     f"{', '.join(ENGINE_NAMES + SAGE_NAMES)}; or switch dattn's platform off "
                     f"with DATTN_VLLM_OMNI=0.")
+            if name is None:
+                from ..slow_cpu import keep_host_attention
+
+                # Never silently slow: where dattn runs far below this CPU (no engine with SIMD
+                # serves it), the default is the engine's own SDPA, with one warning saying why.
+                if keep_host_attention("vllm-omni's diffusion engine", "TORCH_SDPA"):
+                    return cls.engine_backend_cls("TORCH_SDPA", head_size)
+            else:
+                from ..slow_cpu import warn_explicit
+
+                warn_explicit(f"DIFFUSION_ATTENTION_BACKEND={name}")
             cls.validate_dattn_backend(head_size)
             if name is None or name == NAME:
                 return BACKEND_QUALNAME

@@ -424,6 +424,46 @@ bool bf16_dot_outruns_fma() {
 
 namespace dattn {
 
+std::optional<SimdShortfall> simd_shortfall() {
+  static const std::optional<SimdShortfall> shortfall = []() -> std::optional<SimdShortfall> {
+    const flash::Engine& automatic =
+        flash::select_engine(nullptr, DType::F32, flash::ComputeDtype::f32);
+    if (automatic.rank > 0) return std::nullopt;
+    const CpuFeatures& detected = detected_cpu_features();
+    const CpuFeatures& used = cpu_features();
+    const auto list = [](const std::vector<std::string>& names) {
+      std::string s;
+      for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;
+      return s;
+    };
+    SimdShortfall out;
+    out.engine = std::string(automatic.name);
+    out.cpu = detected.brand.empty() ? "this CPU" : detected.brand;
+    std::string why;
+    if (!used.names().empty()) {
+      // Features this build has no engine for (NEON on AArch64 today).
+      out.unused = list(used.names());
+      why = "it has " + out.unused + ", for which this build of dattn has no engine";
+    } else if (!detected.names().empty()) {
+      const char* mask = std::getenv("DATTN_CPU_FEATURES");
+      out.unused = list(detected.names());
+      why = "DATTN_CPU_FEATURES=" + std::string(mask == nullptr ? "" : mask) + " hides its " +
+            out.unused + " (a testing tool; unset it to use them)";
+    } else {
+#if defined(__x86_64__) || defined(__i386__)
+      out.unused = "sse2";  // every x86-64 CPU; dattn's x86 engines start at AVX2
+      why = "it has SSE2 but not AVX2, FMA and F16C, which dattn's x86 engines start at";
+#else
+      return std::nullopt;  // no SIMD known to the build: nothing is left unused
+#endif
+    }
+    out.message = "dattn runs far below " + out.cpu + ": its attention runs on the " +
+                  out.engine + " engine (one lane, no SIMD) because " + why;
+    return out;
+  }();
+  return shortfall;
+}
+
 std::vector<EngineInfo> flash_engines() {
   std::vector<EngineInfo> out;
   for (const flash::Engine& e : flash::engines())
