@@ -457,8 +457,8 @@ std::optional<SimdShortfall> simd_shortfall() {
       return std::nullopt;  // no SIMD known to the build: nothing is left unused
 #endif
     }
-    out.message = "dattn runs far below " + out.cpu + ": its attention runs on the " +
-                  out.engine + " engine (one lane, no SIMD) because " + why;
+    out.message = "dattn runs far below " + out.cpu + ": its attention runs on the " + out.engine +
+                  " engine (one lane, no SIMD) because " + why;
     return out;
   }();
   return shortfall;
