@@ -30,7 +30,7 @@ REQUIREMENTS := requirements.txt
 VENV_STAMP := $(VENV)/.dattn-requirements.sha256
 WHEEL_DIR := build/dist
 
-.PHONY: deps venv wheel configure build run test test-cpu-classes asan fuzz format format-check install install-check ggml ggml-check sdcpp vllm-omni-env vllm-omni-check comfyui-check clean distclean
+.PHONY: deps venv wheel configure build run test test-cpu-classes test-aarch64 asan fuzz format format-check install install-check ggml ggml-check sdcpp vllm-omni-env vllm-omni-check comfyui-check clean distclean
 
 deps:
 	@missing=""; \
@@ -119,6 +119,66 @@ test-cpu-classes: build
 	    --output-junit ctest-junit-$$c.xml \
 	    > $(BUILD)/ctest-$$c.log 2>&1 || { tail -n 60 $(BUILD)/ctest-$$c.log; exit 1; }; \
 	  grep -E "tests passed" $(BUILD)/ctest-$$c.log; \
+	done
+
+# AArch64 under emulation (docs/architecture.md, "AArch64"): the library, the CLI, the C++ tests
+# and the Python extension cross-built with Debian's g++-aarch64-linux-gnu into build/aarch64
+# (cmake/toolchains/aarch64-linux-gnu.cmake; GoogleTest from Debian's sources built with the
+# cross compiler into build/aarch64-gtest; libpng and Python's headers from Debian's arm64
+# multiarch; dlpack, header-only, through the build machine's CMake package, Debian's not being
+# co-installable), then CTest under qemu-user on several CPU models (DATTN_QEMU_CPU, read by
+# cmake/toolchains/qemu-aarch64.sh): AARCH64_RUNS, each "cpu model|DATTN_CPU_FEATURES|tests".
+# max runs every ARM engine's engine and conformance cases against REFERENCE, the CPU-feature
+# and never-silently-slow cases, SAGE's and VIDEO_SPARSE's engine cases (the emulated x86
+# twins included), paged KV and the C ABI; cortex-a72 (NEON only) and neoverse-n1 (NEON with
+# dot products) the CPU and engine cases, where engines needing what the model lacks skip;
+# max masked to portable the never-silently-slow rule, which fires there.
+AARCH64_DEBIAN_PACKAGES := g++-aarch64-linux-gnu qemu-user libc6:arm64 libstdc++6:arm64 \
+  libgomp1:arm64 libpng-dev:arm64 libpython3-dev:arm64
+AARCH64_ENGINES := (neon|sve)[a-z0-9_]*
+AARCH64_CPU_CASES := ^(CpuInfo|CpuFeatureMask|SimdShortfall)\.
+AARCH64_RUNS := \
+  "max||$(AARCH64_CPU_CASES)|/$(AARCH64_ENGINES)$$|isa_$(AARCH64_ENGINES)$$|isa_portable$$|VideoSparseKernel\.EveryEngine|^Paged\.|PagedConformance|^Sage\.|^c_api$$" \
+  "cortex-a72||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$$" \
+  "neoverse-n1||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$$" \
+  "max|portable|$(AARCH64_CPU_CASES)|FlashEngine\..*/portable$$"
+AARCH64_TOOLCHAIN := $(CURDIR)/cmake/toolchains/aarch64-linux-gnu.cmake
+
+test-aarch64:
+	@dpkg --print-foreign-architectures | grep -qx arm64 || { \
+	  sudo=""; [ "$$(id -u)" -ne 0 ] && sudo=sudo; \
+	  echo "dattn: adding Debian's arm64 architecture (multiarch)"; $$sudo dpkg --add-architecture arm64; }
+	@$(MAKE) --no-print-directory deps DEBIAN_PACKAGES="$(AARCH64_DEBIAN_PACKAGES)"
+	@$(MAKE) --no-print-directory venv
+	@if [ ! -f build/aarch64-gtest/install/lib/cmake/GTest/GTestConfig.cmake ]; then \
+	  echo "dattn: GoogleTest for AArch64 from /usr/src/googletest"; \
+	  cmake -S /usr/src/googletest -B build/aarch64-gtest -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	    -DCMAKE_TOOLCHAIN_FILE=$(AARCH64_TOOLCHAIN) \
+	    -DCMAKE_INSTALL_PREFIX=$(CURDIR)/build/aarch64-gtest/install > /dev/null && \
+	  cmake --build build/aarch64-gtest > /dev/null && cmake --install build/aarch64-gtest > /dev/null; \
+	fi
+	@if [ ! -f build/aarch64/build.ninja ]; then \
+	  py=$$(ls -d /usr/include/aarch64-linux-gnu/python3.* | head -n 1 | xargs basename); \
+	  soabi=cpython-$$(echo $$py | tr -d python.)-aarch64-linux-gnu; \
+	  cmake -S . -B build/aarch64 -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	    -DCMAKE_TOOLCHAIN_FILE=$(AARCH64_TOOLCHAIN) \
+	    -DCMAKE_PREFIX_PATH=$(CURDIR)/build/aarch64-gtest/install \
+	    -Ddlpack_DIR=$$(dirname $$(dpkg -L libdlpack-dev | grep 'dlpackConfig.cmake$$')) \
+	    -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DDATTN_WITH_GGML=OFF \
+	    -DPython_EXECUTABLE=$(PY) -DPython_INCLUDE_DIR=/usr/include/$$py \
+	    -DPython_SOABI=$$soabi -DPYTHON_MODULE_EXTENSION=.$$soabi.so > /dev/null; \
+	fi
+	cmake --build build/aarch64
+	@file build/aarch64/python/dattn/_core.cpython-*-aarch64-linux-gnu.so | grep -q "ARM aarch64" || \
+	  { echo "dattn: the cross-built Python extension is missing or not AArch64"; exit 1; }
+	@for run in $(AARCH64_RUNS); do \
+	  cpu=$${run%%|*}; rest=$${run#*|}; mask=$${rest%%|*}; tests=$${rest#*|}; \
+	  log=build/aarch64/ctest-$$cpu$${mask:+-$$mask}.log; \
+	  echo "dattn: CTest under qemu-aarch64 -cpu $$cpu$${mask:+, DATTN_CPU_FEATURES=$$mask}"; \
+	  DATTN_QEMU_CPU=$$cpu DATTN_CPU_FEATURES=$$mask ctest --test-dir build/aarch64 -R "$$tests" \
+	    -j2 --timeout 600 --output-on-failure > $$log 2>&1 || { tail -n 60 $$log; exit 1; }; \
+	  grep -E "tests passed" $$log; \
+	  grep -c "Skipped" $$log | xargs printf '  skipped: %s\n'; \
 	done
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer; the ggml operator's

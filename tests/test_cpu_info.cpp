@@ -24,13 +24,19 @@
 namespace dattn {
 namespace {
 
-// The "flags" line of the first processor in /proc/cpuinfo, or nullopt where there is none.
+// The flags line of the first processor in /proc/cpuinfo ("flags" on x86, "Features" on
+// AArch64), or nullopt where there is none (qemu-user shows the host's file).
 std::optional<std::set<std::string>> proc_cpuinfo_flags() {
   std::ifstream in("/proc/cpuinfo");
   if (!in) return std::nullopt;
+#if defined(__aarch64__)
+  const char* const key = "Features";
+#else
+  const char* const key = "flags";
+#endif
   std::string line;
   while (std::getline(in, line)) {
-    if (line.rfind("flags", 0) != 0) continue;
+    if (line.rfind(key, 0) != 0) continue;
     const auto colon = line.find(':');
     if (colon == std::string::npos) continue;
     std::istringstream words(line.substr(colon + 1));
@@ -83,9 +89,21 @@ TEST(CpuInfo, FlagImplications) {
   EXPECT_FALSE(f.neon);
   EXPECT_FALSE(f.vendor.empty());
 #elif defined(__aarch64__)
-  EXPECT_TRUE(f.neon);
+  EXPECT_TRUE(detected_cpu_features().neon);  // mandatory (DATTN_CPU_FEATURES may hide it)
   EXPECT_FALSE(f.avx2 || f.fma || f.avx512f || f.amx_tile);
+  if (f.sve2) {
+    EXPECT_TRUE(f.sve);
+  }
+  // SVE's vector length: a multiple of 128 bits up to 2048 where SVE is, 0 where it is not.
+  if (f.sve) {
+    EXPECT_TRUE(f.sve_bits >= 128 && f.sve_bits <= 2048 && f.sve_bits % 128 == 0) << f.sve_bits;
+  } else {
+    EXPECT_EQ(f.sve_bits, 0);
+  }
 #endif
+  if (!f.neon) {
+    EXPECT_FALSE(f.asimddp || f.bf16 || f.i8mm);
+  }
 }
 
 TEST(CpuInfo, NamesListExactlyTheTrueFlags) {
@@ -106,6 +124,11 @@ TEST(CpuInfo, NamesListExactlyTheTrueFlags) {
       {f.amx_bf16, "amx_bf16"},
       {f.amx_int8, "amx_int8"},
       {f.neon, "neon"},
+      {f.asimddp, "asimddp"},
+      {f.bf16, "bf16"},
+      {f.i8mm, "i8mm"},
+      {f.sve, "sve"},
+      {f.sve2, "sve2"},
   };
   std::vector<std::string> expected;
   for (const auto& [on, name] : all) {
@@ -123,8 +146,19 @@ TEST(CpuInfo, NamesListExactlyTheTrueFlags) {
 }
 
 TEST(CpuInfo, MatchesProcCpuinfo) {
-#if !defined(__x86_64__)
-  GTEST_SKIP() << "flag names compared are x86 ones";
+#if defined(__aarch64__)
+  const auto flags = proc_cpuinfo_flags();
+  if (!flags) GTEST_SKIP() << "no /proc/cpuinfo Features line (under qemu-user: the host's file)";
+  const CpuFeatures& f = detected_cpu_features();
+  auto has = [&](const char* name) { return flags->count(name) != 0; };
+  EXPECT_EQ(f.neon, has("asimd"));
+  EXPECT_EQ(f.asimddp, has("asimddp"));
+  EXPECT_EQ(f.bf16, has("bf16"));
+  EXPECT_EQ(f.i8mm, has("i8mm"));
+  EXPECT_EQ(f.sve, has("sve"));
+  EXPECT_EQ(f.sve2, has("sve2"));
+#elif !defined(__x86_64__)
+  GTEST_SKIP() << "flag names compared are x86 and AArch64 ones";
 #else
   const auto flags = proc_cpuinfo_flags();
   if (!flags) GTEST_SKIP() << "no /proc/cpuinfo flags line";
@@ -194,6 +228,23 @@ TEST(CpuFeatureMask, ClassesKeepWhatTheyName) {
   zen3.avx2 = zen3.fma = zen3.f16c = true;
   EXPECT_EQ(apply_cpu_feature_mask(zen3, "native").names(), zen3.names());
   EXPECT_EQ(apply_cpu_feature_mask(zen3, "avx512_bf16").names(), zen3.names());
+  // The AArch64 classes, on an Armv9 CPU with 256-bit SVE (Graviton 4 / Grace class).
+  CpuFeatures arm;
+  arm.neon = arm.asimddp = arm.bf16 = arm.i8mm = arm.sve = arm.sve2 = true;
+  arm.sve_bits = 256;
+  const auto arm_kept = [&](const char* spec) {
+    return apply_cpu_feature_mask(arm, spec).names();
+  };
+  EXPECT_EQ(arm_kept("portable"), Names{});
+  EXPECT_EQ(arm_kept("neon"), Names{"neon"});
+  EXPECT_EQ(arm_kept("neon_dotprod"), (Names{"neon", "asimddp"}));
+  EXPECT_EQ(arm_kept("neon_i8mm"), (Names{"neon", "asimddp", "bf16", "i8mm"}));
+  EXPECT_EQ(arm_kept("sve"), arm.names());
+  EXPECT_EQ(arm_kept("native"), arm.names());
+  EXPECT_EQ(arm_kept("avx2"), Names{});
+  EXPECT_EQ(apply_cpu_feature_mask(arm, "neon_i8mm").sve_bits, 0);  // no SVE, no length
+  EXPECT_EQ(apply_cpu_feature_mask(arm, "sve").sve_bits, 256);
+  EXPECT_EQ(arm_kept("bf16,sve2"), Names{});  // nothing outlives NEON / SVE
   const CpuFeatures masked = apply_cpu_feature_mask(all, "portable");
   EXPECT_EQ(masked.vendor, all.vendor);
   EXPECT_EQ(masked.logical_cpus, 7);

@@ -15,7 +15,11 @@ namespace dattn {
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false, avx_vnni = false, avx512f = false, avx512bw = false,
        avx512dq = false, avx512vl = false, avx512_bf16 = false, avx512_vnni = false,
-       avx512_fp16 = false, amx_tile = false, amx_bf16 = false, amx_int8 = false, neon = false;
+       avx512_fp16 = false, amx_tile = false, amx_bf16 = false, amx_int8 = false, neon = false,
+       // AArch64 (the kernel's HWCAPs; Linux's /proc/cpuinfo names): SDOT/UDOT (Armv8.2),
+       // BFDOT/BFMMLA (Armv8.6 BF16), SMMLA/USMMLA (Armv8.6 I8MM), SVE and SVE2.
+       asimddp = false, bf16 = false, i8mm = false, sve = false, sve2 = false;
+  int sve_bits = 0;      // SVE's vector length in bits for this process (0 without SVE)
   std::string vendor;    // cpuid vendor string ("GenuineIntel", "AuthenticAMD"); may be empty
   std::string brand;     // cpuid brand string ("AMD EPYC 7763 64-Core Processor"); may be empty
   int logical_cpus = 0;  // logical CPUs available (at least 1)
@@ -48,6 +52,11 @@ const CpuFeatures& detected_cpu_features();
 //   avx512_vnni  avx512 and avx512_vnni (Cascade Lake, Ice Lake)
 //   avx512_bf16  avx512_vnni, avx_vnni, avx512_bf16, avx512_fp16 (Zen 4/5, no AMX)
 //   amx, native  everything detected (no mask)
+// and on AArch64:
+//   neon          neon (Advanced SIMD: every AArch64 CPU; Cortex-A72, Graviton 1)
+//   neon_dotprod  neon, asimddp (Armv8.2 dot products: Neoverse N1, Graviton 2, Ampere Altra)
+//   neon_i8mm     neon_dotprod and bf16, i8mm (Armv8.6 without SVE)
+//   sve           everything on AArch64 (SVE, SVE2: Graviton 3/4, Grace, Axion, Cobalt 100)
 // A feature name (as CpuFeatures::names() spells it, e.g. "amx_int8" or "neon") allows that
 // feature; a name that is a class too (avx2, avx_vnni, avx512_vnni, avx512_bf16) is the class.
 // An empty spec means no mask. Sub-features

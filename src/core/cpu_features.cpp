@@ -1,4 +1,5 @@
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -17,6 +18,10 @@
 #endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
 #endif
 
 namespace dattn {
@@ -118,6 +123,64 @@ void detect_x86(CpuFeatures& f) {
 
 #endif
 
+#if defined(__aarch64__)
+
+// The kernel's HWCAP bits (arch/arm64/include/uapi/asm/hwcap.h), spelled out so the build needs
+// no particular kernel headers.
+constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapCpuid = 1ul << 11,
+                        kHwcapAsimddp = 1ul << 20, kHwcapSve = 1ul << 22;
+constexpr unsigned long kHwcap2Sve2 = 1ul << 1, kHwcap2I8mm = 1ul << 13, kHwcap2Bf16 = 1ul << 14;
+
+// "ARM Neoverse-N1" from MIDR_EL1 (which Linux lets user space read where HWCAP_CPUID says so,
+// emulating the MRS), for the cores dattn is tuned for; else the implementer and part numbers.
+std::string aarch64_brand(unsigned long midr) {
+  const unsigned implementer = (midr >> 24) & 0xff, part = (midr >> 4) & 0xfff;
+  struct Part {
+    unsigned implementer, part;
+    const char* name;
+  };
+  static constexpr Part kParts[] = {
+      {0x41, 0xd08, "ARM Cortex-A72"},   {0x41, 0xd0b, "ARM Cortex-A76"},
+      {0x41, 0xd0c, "ARM Neoverse-N1"},  {0x41, 0xd40, "ARM Neoverse-V1"},
+      {0x41, 0xd49, "ARM Neoverse-N2"},  {0x41, 0xd4f, "ARM Neoverse-V2"},
+      {0x41, 0xd8e, "ARM Neoverse-N3"},  {0x41, 0xd84, "ARM Neoverse-V3"},
+      {0x46, 0x001, "Fujitsu A64FX"},    {0xc0, 0xac3, "Ampere-1"},
+      {0x61, 0x000, "Apple (virtual)"},
+  };
+  for (const Part& p : kParts)
+    if (p.implementer == implementer && p.part == part) return p.name;
+  char text[64];
+  std::snprintf(text, sizeof text, "AArch64 CPU (implementer 0x%02x, part 0x%03x)", implementer,
+                part);
+  return text;
+}
+
+void detect_aarch64(CpuFeatures& f) {
+  f.neon = true;  // Advanced SIMD is mandatory on AArch64
+#if defined(__linux__)
+  const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
+  f.neon = (hwcap & kHwcapAsimd) != 0 || hwcap == 0;
+  f.asimddp = f.neon && (hwcap & kHwcapAsimddp) != 0;
+  f.bf16 = f.neon && (hwcap2 & kHwcap2Bf16) != 0;
+  f.i8mm = f.neon && (hwcap2 & kHwcap2I8mm) != 0;
+  f.sve = (hwcap & kHwcapSve) != 0;
+  f.sve2 = f.sve && (hwcap2 & kHwcap2Sve2) != 0;
+  if (f.sve) {
+    const int vl = prctl(PR_SVE_GET_VL);  // bytes, with flags above PR_SVE_VL_LEN_MASK
+    if (vl > 0) f.sve_bits = 8 * (vl & 0xffff);
+    if (f.sve_bits == 0) f.sve = f.sve2 = false;
+  }
+  f.vendor = "ARM";
+  if ((hwcap & kHwcapCpuid) != 0) {
+    unsigned long midr = 0;
+    __asm__ volatile("mrs %0, MIDR_EL1" : "=r"(midr));
+    f.brand = aarch64_brand(midr);
+  }
+#endif
+}
+
+#endif
+
 int count_logical_cpus() {
   int n = static_cast<int>(std::thread::hardware_concurrency());
 #if defined(_SC_NPROCESSORS_ONLN)
@@ -156,7 +219,7 @@ CpuFeatures detect() {
 #if defined(__x86_64__) || defined(__i386__)
   detect_x86(f);
 #elif defined(__aarch64__)
-  f.neon = true;  // Advanced SIMD is mandatory on AArch64
+  detect_aarch64(f);
 #endif
   f.logical_cpus = count_logical_cpus();
   f.l2_bytes = detect_l2_bytes();
@@ -189,6 +252,11 @@ constexpr Flag kFlags[] = {
     {&CpuFeatures::amx_bf16, "amx_bf16"},
     {&CpuFeatures::amx_int8, "amx_int8"},
     {&CpuFeatures::neon, "neon"},
+    {&CpuFeatures::asimddp, "asimddp"},
+    {&CpuFeatures::bf16, "bf16"},
+    {&CpuFeatures::i8mm, "i8mm"},
+    {&CpuFeatures::sve, "sve"},
+    {&CpuFeatures::sve2, "sve2"},
 };
 
 struct CpuClass {
@@ -208,6 +276,10 @@ constexpr CpuClass kClasses[] = {
      "avx512_fp16"},
     {"amx", "*"},
     {"native", "*"},
+    {"neon", "neon"},
+    {"neon_dotprod", "neon asimddp"},
+    {"neon_i8mm", "neon asimddp bf16 i8mm"},
+    {"sve", "neon asimddp bf16 i8mm sve sve2"},
 };
 
 bool equal_ignoring_case(std::string_view a, std::string_view b) {
@@ -286,6 +358,9 @@ CpuFeatures apply_cpu_feature_mask(const CpuFeatures& detected, std::string_view
     f.avx512bw = f.avx512dq = f.avx512vl = f.avx512_bf16 = f.avx512_vnni = f.avx512_fp16 = false;
   if (!f.avx2) f.avx_vnni = false;
   if (!f.amx_tile) f.amx_bf16 = f.amx_int8 = false;
+  if (!f.neon) f.asimddp = f.bf16 = f.i8mm = false;
+  if (!f.sve) f.sve2 = false;
+  if (!f.sve) f.sve_bits = 0;
   return f;
 }
 

@@ -64,11 +64,17 @@ std::optional<std::string> needs_avx512_vnni() {
   return std::string("this CPU lacks AVX512-VNNI (vpdpbusd)");
 }
 
+std::optional<std::string> needs_neon() {
+  if (cpu_features().neon) return std::nullopt;
+  return std::string("this CPU lacks NEON (AArch64's Advanced SIMD)");
+}
+
 // Ladder order (ranks ascending; within a rank, the preferred engine last, emulated twins
 // right after their real ones). FLASH runs the f32 and bf16 engines, SAGE the int8 ones.
-constexpr std::array<Engine, 22> kEngines{{
+constexpr std::array<Engine, 23> kEngines{{
     {"portable", 0, ComputeDtype::f32, false, &always, &portable_kernels},
     {"portable_int8", 0, ComputeDtype::int8, false, &always, &portable_int8_kernels},
+    {"neon", 1, ComputeDtype::f32, false, &needs_neon, &neon_kernels},
     {"avx2", 1, ComputeDtype::f32, false, &needs_avx2, &avx2_kernels},
     {"avx2_int8", 1, ComputeDtype::int8, false, &needs_avx2, &avx2_int8_kernels},
     {"avx2_int8_emulated", 1, ComputeDtype::int8, true, &always, &avx2_int8_emulated_kernels},

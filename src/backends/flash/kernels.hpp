@@ -327,6 +327,8 @@ TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
 const TileKernels& portable_kernels();
 const TileKernels& avx2_kernels();
 const TileKernels& avx512_kernels();
+// AArch64's Advanced SIMD (NEON): f32 FMLA on 128-bit vectors (the portable kernels elsewhere).
+const TileKernels& neon_kernels();
 // bf16 pair products accumulated in f32: vdpbf16ps, and its emulation in portable C++ (the
 // same layouts, the same order of operations).
 const TileKernels& avx512_bf16_kernels();

@@ -1,0 +1,116 @@
+// FLASH tile kernels for AArch64's Advanced SIMD (NEON, 4 f32 lanes, mandatory on every AArch64
+// CPU): K.Q^T micro-tiles of 6 keys x 16 query rows and P.V micro-tiles of 6 rows x 16 columns
+// (4 vectors of 4 lanes: 24 accumulators of NEON's 32 registers), FMLA throughout. bf16 and f16
+// inputs are widened as the driver's panel packer does on x86 (bf16 by a shift, f16 by FCVTL).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numbers>
+
+#include "backends/flash/kernels.hpp"
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+namespace dattn::flash {
+namespace neon_impl {
+
+struct Vec {
+  using reg = float32x4_t;
+  static constexpr int W = 4;
+  static constexpr int kVectors = 4;  // 6 x 4 accumulators of the 32 registers
+  static reg zero() { return vdupq_n_f32(0.0f); }
+  static reg set1(float f) { return vdupq_n_f32(f); }
+  static reg load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, reg r) { vst1q_f32(p, r); }
+  static reg fma(reg a, reg b, reg c) { return vfmaq_f32(c, a, b); }
+  static reg mul(reg a, reg b) { return vmulq_f32(a, b); }
+  static reg add(reg a, reg b) { return vaddq_f32(a, b); }
+  static reg sub(reg a, reg b) { return vsubq_f32(a, b); }
+  // x86's maxps / minps rule, which the shared kernels are written for: the second operand
+  // where either is NaN (NEON's FMAX / FMIN would return the NaN).
+  static reg max(reg a, reg b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+  static reg min(reg a, reg b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+  static reg div(reg a, reg b) { return vdivq_f32(a, b); }
+  // x[t]: 2^23 + key t's code, as in avx512_vec.hpp.
+  template <int G>
+  static void store_codes(std::uint32_t* p, const reg (&x)[G]) {
+    static_assert(G == 2 || G == 4);
+    const auto bits = [&](int t) { return vreinterpretq_u32_f32(x[t]); };
+    uint32x4_t codes = vandq_u32(bits(0), vdupq_n_u32((1u << (32 / G)) - 1));
+    if constexpr (G == 2) {
+      codes = vorrq_u32(codes, vshlq_n_u32(bits(1), 16));
+    } else {
+      codes = vorrq_u32(codes, vshlq_n_u32(bits(1), 8));
+      codes = vorrq_u32(codes, vorrq_u32(vshlq_n_u32(bits(2), 16), vshlq_n_u32(bits(3), 24)));
+    }
+    vst1q_u32(p, codes);
+  }
+  static reg select_zero_if_neg_inf(reg x) {
+    const uint32x4_t is_neg_inf = vceqq_f32(x, vdupq_n_f32(-std::numeric_limits<float>::infinity()));
+    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(x), is_neg_inf));
+  }
+  // a > b ? x : y per lane (false for NaN).
+  static reg select_gt(reg a, reg b, reg x, reg y) { return vbslq_f32(vcgtq_f32(a, b), x, y); }
+  // 2^x for x <= 0: 2^n * p(f), n = round(x), f in [-1/2, 1/2], p = kExp2Poly (relative error
+  // < 2e-7); x < -126 (and -inf) gives 0, NaN stays NaN (FMAX propagates it).
+  static reg exp2_nonpositive(reg x) {
+    const reg lowest = vdupq_n_f32(-126.0f);
+    const uint32x4_t hidden = vcltq_f32(x, lowest);
+    x = vmaxq_f32(lowest, x);
+    const reg n = vrndnq_f32(x);
+    const reg f = vsubq_f32(x, n);
+    reg p = vdupq_n_f32(kExp2Poly[4]);
+    p = vfmaq_f32(vdupq_n_f32(kExp2Poly[3]), p, f);
+    p = vfmaq_f32(vdupq_n_f32(kExp2Poly[2]), p, f);
+    p = vfmaq_f32(vdupq_n_f32(kExp2Poly[1]), p, f);
+    p = vfmaq_f32(vdupq_n_f32(kExp2Poly[0]), p, f);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, f);
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    const reg scaled = vmulq_f32(p, vreinterpretq_f32_s32(e));
+    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(scaled), hidden));
+  }
+  static reg load_bf16(const std::uint16_t* p) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+  }
+  static reg load_f16(const std::uint16_t* p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+  }
+  // FCVTN rounds to nearest even under the default FPCR (as vcvtps2ph's mode here).
+  static void store_f16(std::uint16_t* p, reg r) {
+    vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(r)));
+  }
+  // Round to nearest even: add 0x7fff + the lowest kept bit, keep the high half; NaN keeps a
+  // quiet NaN.
+  static void store_bf16(std::uint16_t* p, reg r) {
+    const uint32x4_t u = vreinterpretq_u32_f32(r);
+    const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    uint32x4_t rounded = vshrq_n_u32(vaddq_u32(u, vaddq_u32(lsb, vdupq_n_u32(0x7fff))), 16);
+    const uint32x4_t is_nan = vmvnq_u32(vceqq_f32(r, r));
+    const uint32x4_t quiet = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
+    rounded = vbslq_u32(is_nan, quiet, rounded);
+    vst1_u16(p, vmovn_u32(rounded));
+  }
+};
+
+#include "backends/flash/cpu/tile_kernels_impl.hpp"
+
+}  // namespace neon_impl
+
+namespace {
+constexpr TileKernels kKernels = neon_impl::make_tile_kernels<neon_impl::Vec>("neon");
+}  // namespace
+
+const TileKernels& neon_kernels() {
+  return kKernels;
+}
+
+}  // namespace dattn::flash
+#else
+namespace dattn::flash {
+const TileKernels& neon_kernels() {
+  return portable_kernels();
+}
+}  // namespace dattn::flash
+#endif
