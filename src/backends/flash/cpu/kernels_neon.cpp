@@ -1,6 +1,8 @@
 // FLASH tile kernels for AArch64's Advanced SIMD (NEON, 4 f32 lanes, mandatory on every AArch64
-// CPU): K.Q^T micro-tiles of 6 keys x 16 query rows and P.V micro-tiles of 6 rows x 16 columns
-// (4 vectors of 4 lanes: 24 accumulators of NEON's 32 registers), FMLA throughout. bf16 and f16
+// CPU): K.Q^T micro-tiles of 6 keys x 12 query rows and P.V micro-tiles of 6 rows x 12 columns
+// (3 vectors of 4 lanes: 18 accumulators of NEON's 32 registers; with 4 vectors the 24
+// accumulators, 4 Q vectors and the 6 keys' lanes spill, 82-89% of the FMLA bound under llvm-mca
+// on Neoverse N1 against 94% with 3: bench/mca_loops.py), FMLA by element throughout. bf16 and f16
 // inputs are widened as the driver's panel packer does on x86 (bf16 by a shift, f16 by FCVTL).
 #include <algorithm>
 #include <cmath>
@@ -19,7 +21,7 @@ namespace neon_impl {
 struct Vec {
   using reg = float32x4_t;
   static constexpr int W = 4;
-  static constexpr int kVectors = 4;  // 6 x 4 accumulators of the 32 registers
+  static constexpr int kVectors = 3;  // 6 x 3 accumulators of the 32 registers (see above)
   static reg zero() { return vdupq_n_f32(0.0f); }
   static reg set1(float f) { return vdupq_n_f32(f); }
   static reg load(const float* p) { return vld1q_f32(p); }

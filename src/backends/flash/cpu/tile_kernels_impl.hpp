@@ -96,8 +96,9 @@ inline void qk_rows(const float* k, std::int64_t ldk, const float* qt, std::int6
   });
 }
 
-// Row blocks of NV W rows (the last, if shorter, of 2 W: rows_p is a multiple of 2 W), each
-// against the whole tile: a block's Q^T slice stays in L1 while the tile's keys stream by.
+// Row blocks of NV W rows (the last ones, if shorter, of 2 W, and where NV is odd one of W:
+// rows_p is a multiple of 2 W), each against the whole tile: a block's Q^T slice stays in L1
+// while the tile's keys stream by.
 template <class V>
 void qk(const void* k_tile, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
         std::int64_t ldst, int keys, int rows_p, int d, void* /*ws*/) {
@@ -106,7 +107,11 @@ void qk(const void* k_tile, std::int64_t ldk, const float* qt, std::int64_t ldqt
   int r0 = 0;
   for (; r0 + NV * V::W <= rows_p; r0 += NV * V::W)
     qk_rows<V, NV>(k, ldk, qt + r0, ldqt, st + r0, ldst, keys, d);
-  for (; r0 < rows_p; r0 += 2 * V::W) qk_rows<V, 2>(k, ldk, qt + r0, ldqt, st + r0, ldst, keys, d);
+  for (; r0 + 2 * V::W <= rows_p; r0 += 2 * V::W)
+    qk_rows<V, 2>(k, ldk, qt + r0, ldqt, st + r0, ldst, keys, d);
+  if constexpr (NV % 2 == 1) {
+    if (r0 < rows_p) qk_rows<V, 1>(k, ldk, qt + r0, ldqt, st + r0, ldst, keys, d);
+  }
 }
 
 // e^(x - m_use) for x <= m_use: 2^(x log2 e) with the difference taken first, so that finite
@@ -365,8 +370,9 @@ inline void pv_chunk(const float* pt, std::int64_t ldpt, const float* v, std::in
   }
 }
 
-// Column chunks outer (NV W columns; the last, if shorter, of 2 W: dv is padded to a multiple
-// of 2 W), row blocks inner: the chunk's slice of V stays in L1 while every row block uses it.
+// Column chunks outer (NV W columns; the last ones, if shorter, of 2 W, and where NV is odd one
+// of W: dv is padded to a multiple of 2 W), row blocks inner: the chunk's slice of V stays in
+// L1 while every row block uses it.
 template <class V>
 void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t ldv, float* o,
         std::int64_t ldo, const float* alpha, int rows, int keys, int dv, void* /*ws*/) {
@@ -375,7 +381,11 @@ void pv(const float* pt, std::int64_t ldpt, const void* v_tile, std::int64_t ldv
   int c = 0;
   for (; c + NV * V::W <= dv; c += NV * V::W)
     pv_chunk<V, NV>(pt, ldpt, v + c, ldv, o + c, ldo, alpha, rows, keys);
-  for (; c < dv; c += 2 * V::W) pv_chunk<V, 2>(pt, ldpt, v + c, ldv, o + c, ldo, alpha, rows, keys);
+  for (; c + 2 * V::W <= dv; c += 2 * V::W)
+    pv_chunk<V, 2>(pt, ldpt, v + c, ldv, o + c, ldo, alpha, rows, keys);
+  if constexpr (NV % 2 == 1) {
+    if (c < dv) pv_chunk<V, 1>(pt, ldpt, v + c, ldv, o + c, ldo, alpha, rows, keys);
+  }
 }
 
 template <class V>

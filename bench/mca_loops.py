@@ -1,0 +1,182 @@
+"""The engines' inner loops under llvm-mca: predicted cycles per iteration against the core's
+multiply-add throughput (docs/benchmarks.md, "AArch64: the inner loops under llvm-mca").
+
+For each (object file, function, CPU model) it disassembles the function as compiled (objdump),
+takes its innermost loop with the most multiply-adds (a backward branch whose body holds no
+other backward branch: the micro-kernel's step over one channel or key), and asks llvm-mca for
+its steady-state cycles per iteration. The fraction of peak the loop can reach is
+
+    (multiply-adds per iteration / multiply-adds the core retires per cycle) / predicted cycles
+
+where the core's rate is its vector FMA pipes (its own figure, given per model below), and the
+loop's instructions per scalar multiply-add (instructions / (FMAs x lanes)), the static
+counterpart of the instructions a core retires per multiply-add. No hardware is needed: this
+is what the loops permit, not what a core measured.
+
+    python3 bench/mca_loops.py --aarch64-object build/aarch64/CMakeFiles/dattn.dir/src/backends/flash/cpu/kernels_neon.cpp.o \\
+        --x86-object-dir build/release/CMakeFiles/dattn.dir/src/backends/flash/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+
+# (engine, step, object key, functions (demangled prefixes: the step and the micro-kernels it
+# may call out of line), FMA mnemonic pattern)
+KERNELS = [
+    ("neon", "Q.K^T", "neon", ("dattn::flash::neon_impl::qk<", "dattn::flash::neon_impl::qk_rows<",
+      "dattn::flash::neon_impl::qk_keys<"),
+     r"^fmla\b"),
+    ("neon", "P.V", "neon", ("dattn::flash::neon_impl::pv<", "dattn::flash::neon_impl::pv_chunk<",
+      "dattn::flash::neon_impl::pv_rows<"),
+     r"^fmla\b"),
+    ("avx2", "Q.K^T", "avx2", ("dattn::flash::avx2_impl::qk<", "dattn::flash::avx2_impl::qk_rows<",
+      "dattn::flash::avx2_impl::qk_keys<"),
+     r"^vfmadd\w*ps\b"),
+    ("avx2", "P.V", "avx2", ("dattn::flash::avx2_impl::pv<", "dattn::flash::avx2_impl::pv_chunk<",
+      "dattn::flash::avx2_impl::pv_rows<"),
+     r"^vfmadd\w*ps\b"),
+    ("avx512", "Q.K^T", "avx512",
+     ("dattn::flash::avx512_impl::qk<", "dattn::flash::avx512_impl::qk_rows<",
+      "dattn::flash::avx512_impl::qk_keys<"), r"^vfmadd\w*ps\b"),
+    ("avx512", "P.V", "avx512",
+     ("dattn::flash::avx512_impl::pv<", "dattn::flash::avx512_impl::pv_chunk<",
+      "dattn::flash::avx512_impl::pv_rows<"), r"^vfmadd\w*ps\b"),
+]
+
+# f32 lanes per vector FMA.
+LANES = {"neon": 4, "avx2": 8, "avx512": 16}
+
+# CPU models: (llvm-mca -mcpu, triple, vector FMA instructions retired per cycle at the engine's
+# width). Neoverse N1: 2 x 128-bit FP pipes; V1: 4 x 128-bit NEON (2 x 256-bit SVE); V2: 4 x
+# 128-bit; Zen 3: 2 x 256-bit FMA; Zen 4: 2 x 256-bit (a 512-bit FMA takes both: 1 per cycle).
+MODELS = {
+    "neon": [("neoverse-n1", "aarch64", 2), ("neoverse-v1", "aarch64", 4),
+             ("neoverse-v2", "aarch64", 4)],
+    "avx2": [("znver3", "x86_64", 2), ("znver4", "x86_64", 2)],
+    "avx512": [("znver4", "x86_64", 1)],
+}
+
+
+def tool(*names):
+    for n in names:
+        if shutil.which(n):
+            return n
+    return None
+
+
+def disassemble(objdump: str, obj: str, prefixes) -> list:
+    """[[(address, mnemonic, operands)] per function] of the functions whose demangled names
+    start with one of `prefixes` (after a "void " return type)."""
+    out = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", obj], check=True,
+                         capture_output=True, text=True).stdout
+    aarch64 = "aarch64" in objdump
+    functions, lines, inside = [], [], False
+    for line in out.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if head:
+            name = head.group(1)
+            name = name[5:] if name.startswith("void ") else name
+            inside = name.startswith(tuple(prefixes))
+            lines = []
+            if inside:
+                functions.append(lines)
+            continue
+        if not inside:
+            continue
+        m = re.match(r"^\s+([0-9a-f]+):\s+(\S+)\s*(.*)$", line)
+        if m:
+            ops = m.group(3).split("//")[0]  # AArch64's comments
+            if not aarch64:
+                ops = ops.split("#")[0]  # AT&T's ('#' starts an AArch64 immediate)
+            lines.append((int(m.group(1), 16), m.group(2), ops.strip()))
+    return functions
+
+
+BRANCH = re.compile(r"^(b\.\w+|b|cbn?z|tbn?z|j\w+)$")
+
+
+def innermost_loop(code: list, fma: re.Pattern):
+    """The body [target .. branch] of the backward branch with the most FMAs whose body holds
+    no other backward branch."""
+    best = None
+    for i, (addr, mn, ops) in enumerate(code):
+        if not BRANCH.match(mn):
+            continue
+        target = re.search(r"\b([0-9a-f]+) <", ops) or re.search(r"^([0-9a-f]+)\b", ops.split(",")[-1].strip())
+        if not target:
+            continue
+        t = int(target.group(1), 16)
+        if t >= addr:
+            continue
+        body = [c for c in code if t <= c[0] <= addr]
+        inner = [c for c in body[:-1] if BRANCH.match(c[1]) and
+                 (re.search(r"\b([0-9a-f]+) <", c[2]) or None)]
+        if any(int(re.search(r"\b([0-9a-f]+) <", c[2]).group(1), 16) < c[0] for c in inner):
+            continue
+        n = sum(1 for c in body if fma.match(c[1]))
+        if n and (best is None or n > best[0]):
+            best = (n, body)
+    return best
+
+
+def mca(llvm_mca: str, triple: str, cpu: str, body: list) -> float:
+    """Steady-state cycles per iteration of `body` (its final branch made a jump to the top)."""
+    text = ["loop:"]
+    for _, mn, ops in body[:-1]:
+        if BRANCH.match(mn):
+            continue  # a forward branch inside the body: not taken in the steady state
+        ops = re.sub(r"\s*<[^>]*>", "", ops)
+        text.append(f"  {mn} {ops}")
+    text.append("  b loop" if triple == "aarch64" else "  jmp loop")
+    syntax = [] if triple == "aarch64" else ["--x86-asm-syntax=att"]
+    r = subprocess.run([llvm_mca, f"-mtriple={triple}", f"-mcpu={cpu}", "-iterations=200",
+                        *syntax], input="\n".join(text) + "\n", capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"llvm-mca {cpu}: {r.stderr[-800:]}")
+    cycles = float(re.search(r"Total Cycles:\s+(\d+)", r.stdout).group(1))
+    iters = float(re.search(r"Iterations:\s+(\d+)", r.stdout).group(1))
+    return cycles / iters
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--aarch64-object", help="kernels_neon.cpp.o of the AArch64 build")
+    ap.add_argument("--x86-object-dir", help="the x86 build's kernel objects' directory")
+    ap.add_argument("--llvm-mca", default=tool("llvm-mca-19", "llvm-mca"))
+    args = ap.parse_args()
+    objects = {}
+    if args.aarch64_object:
+        objects["neon"] = (args.aarch64_object, tool("aarch64-linux-gnu-objdump"))
+    if args.x86_object_dir:
+        objects["avx2"] = (f"{args.x86_object_dir}/kernels_avx2.cpp.o", "objdump")
+        objects["avx512"] = (f"{args.x86_object_dir}/kernels_avx512.cpp.o", "objdump")
+    print(f"llvm-mca: {args.llvm_mca}")
+    print("| engine | loop | FMAs / iteration | instructions per multiply-add | CPU model | "
+          "FMA / cycle | predicted cycles | cycles at the FMA bound | fraction of peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for engine, step, key, funcs, fma in KERNELS:
+        if key not in objects:
+            continue
+        obj, objdump = objects[key]
+        loops = [innermost_loop(f, re.compile(fma)) for f in disassemble(objdump, obj, funcs)]
+        loops = [x for x in loops if x]
+        if not loops:
+            print(f"| {engine} | {step} | no loop found | | | | | | |")
+            continue
+        n, body = max(loops, key=lambda x: x[0])
+        for cpu, triple, rate in MODELS[key]:
+            cyc = mca(args.llvm_mca, triple, cpu, body)
+            bound = n / rate
+            per = len(body) / (n * LANES[key])
+            print(f"| {engine} | {step} ({len(body)} instructions) | {n} | {per:.3f} | {cpu} | "
+                  f"{rate} | {cyc:.2f} | {bound:.2f} | {min(1.0, bound / cyc):.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
