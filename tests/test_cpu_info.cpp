@@ -232,9 +232,7 @@ TEST(CpuFeatureMask, ClassesKeepWhatTheyName) {
   CpuFeatures arm;
   arm.neon = arm.asimddp = arm.bf16 = arm.i8mm = arm.sve = arm.sve2 = true;
   arm.sve_bits = 256;
-  const auto arm_kept = [&](const char* spec) {
-    return apply_cpu_feature_mask(arm, spec).names();
-  };
+  const auto arm_kept = [&](const char* spec) { return apply_cpu_feature_mask(arm, spec).names(); };
   EXPECT_EQ(arm_kept("portable"), Names{});
   EXPECT_EQ(arm_kept("neon"), Names{"neon"});
   EXPECT_EQ(arm_kept("neon_dotprod"), (Names{"neon", "asimddp"}));

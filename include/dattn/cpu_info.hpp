@@ -18,7 +18,7 @@ struct CpuFeatures {
        avx512_fp16 = false, amx_tile = false, amx_bf16 = false, amx_int8 = false, neon = false,
        // AArch64 (the kernel's HWCAPs; Linux's /proc/cpuinfo names): SDOT/UDOT (Armv8.2),
        // BFDOT/BFMMLA (Armv8.6 BF16), SMMLA/USMMLA (Armv8.6 I8MM), SVE and SVE2.
-       asimddp = false, bf16 = false, i8mm = false, sve = false, sve2 = false;
+      asimddp = false, bf16 = false, i8mm = false, sve = false, sve2 = false;
   int sve_bits = 0;      // SVE's vector length in bits for this process (0 without SVE)
   std::string vendor;    // cpuid vendor string ("GenuineIntel", "AuthenticAMD"); may be empty
   std::string brand;     // cpuid brand string ("AMD EPYC 7763 64-Core Processor"); may be empty

@@ -127,8 +127,8 @@ void detect_x86(CpuFeatures& f) {
 
 // The kernel's HWCAP bits (arch/arm64/include/uapi/asm/hwcap.h), spelled out so the build needs
 // no particular kernel headers.
-constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapCpuid = 1ul << 11,
-                        kHwcapAsimddp = 1ul << 20, kHwcapSve = 1ul << 22;
+constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapCpuid = 1ul << 11, kHwcapAsimddp = 1ul << 20,
+                        kHwcapSve = 1ul << 22;
 constexpr unsigned long kHwcap2Sve2 = 1ul << 1, kHwcap2I8mm = 1ul << 13, kHwcap2Bf16 = 1ul << 14;
 
 // "ARM Neoverse-N1" from MIDR_EL1 (which Linux lets user space read where HWCAP_CPUID says so,
@@ -140,11 +140,11 @@ std::string aarch64_brand(unsigned long midr) {
     const char* name;
   };
   static constexpr Part kParts[] = {
-      {0x41, 0xd08, "ARM Cortex-A72"},   {0x41, 0xd0b, "ARM Cortex-A76"},
-      {0x41, 0xd0c, "ARM Neoverse-N1"},  {0x41, 0xd40, "ARM Neoverse-V1"},
-      {0x41, 0xd49, "ARM Neoverse-N2"},  {0x41, 0xd4f, "ARM Neoverse-V2"},
-      {0x41, 0xd8e, "ARM Neoverse-N3"},  {0x41, 0xd84, "ARM Neoverse-V3"},
-      {0x46, 0x001, "Fujitsu A64FX"},    {0xc0, 0xac3, "Ampere-1"},
+      {0x41, 0xd08, "ARM Cortex-A72"},  {0x41, 0xd0b, "ARM Cortex-A76"},
+      {0x41, 0xd0c, "ARM Neoverse-N1"}, {0x41, 0xd40, "ARM Neoverse-V1"},
+      {0x41, 0xd49, "ARM Neoverse-N2"}, {0x41, 0xd4f, "ARM Neoverse-V2"},
+      {0x41, 0xd8e, "ARM Neoverse-N3"}, {0x41, 0xd84, "ARM Neoverse-V3"},
+      {0x46, 0x001, "Fujitsu A64FX"},   {0xc0, 0xac3, "Ampere-1"},
       {0x61, 0x000, "Apple (virtual)"},
   };
   for (const Part& p : kParts)

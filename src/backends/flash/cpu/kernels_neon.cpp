@@ -50,7 +50,8 @@ struct Vec {
     vst1q_u32(p, codes);
   }
   static reg select_zero_if_neg_inf(reg x) {
-    const uint32x4_t is_neg_inf = vceqq_f32(x, vdupq_n_f32(-std::numeric_limits<float>::infinity()));
+    const uint32x4_t is_neg_inf =
+        vceqq_f32(x, vdupq_n_f32(-std::numeric_limits<float>::infinity()));
     return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(x), is_neg_inf));
   }
   // a > b ? x : y per lane (false for NaN).
