@@ -22,9 +22,9 @@ std::vector<EngineInfo> flash_engines();
 // "Far below the CPU" (docs/architecture.md, "Never silently slow"): the engine FLASH chooses
 // automatically (no DATTN_ISA cap, f32 inputs) has no SIMD (the portable ones, rank 0) while the
 // CPU as detected, before DATTN_CPU_FEATURES masks it, has SIMD: a feature some engine uses
-// (hidden by the mask) or one this build has no engine for (NEON or SVE on AArch64, SSE2 on
-// every x86-64 CPU). The mask is a testing tool, not an opt-in: DATTN_CPU_FEATURES=portable on
-// an AVX2 machine is far below it.
+// (hidden by the mask) or one this build has no engine for (e.g. AVX2 without FMA and F16C, or
+// SSE2 alone on an x86-64 CPU; NEON before the neon engine existed). The mask is a testing tool,
+// not an opt-in: DATTN_CPU_FEATURES=portable on an AVX2 machine is far below it.
 struct SimdShortfall {
   std::string engine;   // the engine automatic calls run on, e.g. "portable"
   std::string cpu;      // the CPU as named (its brand string; "this CPU" when it has none)

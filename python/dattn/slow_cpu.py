@@ -3,7 +3,7 @@
 dattn is "far below the CPU" when the engine its automatic choice runs on has no SIMD (the
 portable engines) while the CPU as detected, before ``DATTN_CPU_FEATURES`` masks it, has SIMD:
 a feature an engine uses but the mask hides (the mask is a testing tool, not an opt-in), or one
-this build has no engine for (NEON or SVE on AArch64, SSE2 on an x86-64 CPU without AVX2).
+this build has no engine for (e.g. SSE2 alone on an x86-64 CPU without AVX2, FMA and F16C).
 ``dattn.far_below_cpu()`` says why, or None; ``dattn info`` prints it. Then:
 
 - automatic choices keep the host's own attention (vllm-omni's platform makes the engine's

@@ -447,7 +447,8 @@ std::optional<SimdShortfall> simd_shortfall() {
     out.cpu = detected.brand.empty() ? "this CPU" : detected.brand;
     std::string why;
     if (!used.names().empty()) {
-      // Features this build has no engine for (NEON on AArch64 today).
+      // Features no engine of this build can use (e.g. AVX2 without FMA and F16C, or a mask
+      // keeping only fma).
       out.unused = list(used.names());
       why = "it has " + out.unused + ", for which this build of dattn has no engine";
     } else if (!detected.names().empty()) {
