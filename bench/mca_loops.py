@@ -25,28 +25,15 @@ import shutil
 import subprocess
 import sys
 
-# (engine, step, object key, functions (demangled prefixes: the step and the micro-kernels it
-# may call out of line), FMA mnemonic pattern)
-KERNELS = [
-    ("neon", "Q.K^T", "neon", ("dattn::flash::neon_impl::qk<", "dattn::flash::neon_impl::qk_rows<",
-      "dattn::flash::neon_impl::qk_keys<"),
-     r"^fmla\b"),
-    ("neon", "P.V", "neon", ("dattn::flash::neon_impl::pv<", "dattn::flash::neon_impl::pv_chunk<",
-      "dattn::flash::neon_impl::pv_rows<"),
-     r"^fmla\b"),
-    ("avx2", "Q.K^T", "avx2", ("dattn::flash::avx2_impl::qk<", "dattn::flash::avx2_impl::qk_rows<",
-      "dattn::flash::avx2_impl::qk_keys<"),
-     r"^vfmadd\w*ps\b"),
-    ("avx2", "P.V", "avx2", ("dattn::flash::avx2_impl::pv<", "dattn::flash::avx2_impl::pv_chunk<",
-      "dattn::flash::avx2_impl::pv_rows<"),
-     r"^vfmadd\w*ps\b"),
-    ("avx512", "Q.K^T", "avx512",
-     ("dattn::flash::avx512_impl::qk<", "dattn::flash::avx512_impl::qk_rows<",
-      "dattn::flash::avx512_impl::qk_keys<"), r"^vfmadd\w*ps\b"),
-    ("avx512", "P.V", "avx512",
-     ("dattn::flash::avx512_impl::pv<", "dattn::flash::avx512_impl::pv_chunk<",
-      "dattn::flash::avx512_impl::pv_rows<"), r"^vfmadd\w*ps\b"),
-]
+# The FMA mnemonic of each engine's loops.
+FMA = {"neon": r"^fmla\b", "avx2": r"^vfmadd\w*ps\b", "avx512": r"^vfmadd\w*ps\b"}
+
+# (engine, step, functions: demangled prefixes of the step and the micro-kernels it may call
+# out of line)
+KERNELS = [(engine, step, tuple(f"dattn::flash::{engine}_impl::{f}<" for f in functions))
+           for engine in FMA
+           for step, functions in (("Q.K^T", ("qk", "qk_rows", "qk_keys")),
+                                   ("P.V", ("pv", "pv_chunk", "pv_rows")))]
 
 # f32 lanes per vector FMA.
 LANES = {"neon": 4, "avx2": 8, "avx512": 16}
@@ -100,23 +87,25 @@ def disassemble(objdump: str, obj: str, prefixes) -> list:
 BRANCH = re.compile(r"^(b\.\w+|b|cbn?z|tbn?z|j\w+)$")
 
 
+def backward_target(addr: int, mnemonic: str, ops: str):
+    """The target of a branch at `addr` when it jumps backward, else None."""
+    if not BRANCH.match(mnemonic):
+        return None
+    target = re.search(r"\b([0-9a-f]+) <", ops)
+    t = int(target.group(1), 16) if target else None
+    return t if t is not None and t < addr else None
+
+
 def innermost_loop(code: list, fma: re.Pattern):
-    """The body [target .. branch] of the backward branch with the most FMAs whose body holds
-    no other backward branch."""
+    """(FMAs, body [target .. branch]) of the backward branch with the most FMAs whose body
+    holds no other backward branch; None without one."""
     best = None
-    for i, (addr, mn, ops) in enumerate(code):
-        if not BRANCH.match(mn):
-            continue
-        target = re.search(r"\b([0-9a-f]+) <", ops) or re.search(r"^([0-9a-f]+)\b", ops.split(",")[-1].strip())
-        if not target:
-            continue
-        t = int(target.group(1), 16)
-        if t >= addr:
+    for addr, mn, ops in code:
+        t = backward_target(addr, mn, ops)
+        if t is None:
             continue
         body = [c for c in code if t <= c[0] <= addr]
-        inner = [c for c in body[:-1] if BRANCH.match(c[1]) and
-                 (re.search(r"\b([0-9a-f]+) <", c[2]) or None)]
-        if any(int(re.search(r"\b([0-9a-f]+) <", c[2]).group(1), 16) < c[0] for c in inner):
+        if any(backward_target(*c) is not None for c in body[:-1]):
             continue
         n = sum(1 for c in body if fma.match(c[1]))
         if n and (best is None or n > best[0]):
@@ -159,20 +148,20 @@ def main() -> int:
     print("| engine | loop | FMAs / iteration | instructions per multiply-add | CPU model | "
           "FMA / cycle | predicted cycles | cycles at the FMA bound | fraction of peak |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for engine, step, key, funcs, fma in KERNELS:
-        if key not in objects:
+    for engine, step, funcs in KERNELS:
+        if engine not in objects:
             continue
-        obj, objdump = objects[key]
-        loops = [innermost_loop(f, re.compile(fma)) for f in disassemble(objdump, obj, funcs)]
+        obj, objdump = objects[engine]
+        loops = [innermost_loop(f, re.compile(FMA[engine])) for f in disassemble(objdump, obj, funcs)]
         loops = [x for x in loops if x]
         if not loops:
             print(f"| {engine} | {step} | no loop found | | | | | | |")
             continue
         n, body = max(loops, key=lambda x: x[0])
-        for cpu, triple, rate in MODELS[key]:
+        for cpu, triple, rate in MODELS[engine]:
             cyc = mca(args.llvm_mca, triple, cpu, body)
             bound = n / rate
-            per = len(body) / (n * LANES[key])
+            per = len(body) / (n * LANES[engine])
             print(f"| {engine} | {step} ({len(body)} instructions) | {n} | {per:.3f} | {cpu} | "
                   f"{rate} | {cyc:.2f} | {bound:.2f} | {min(1.0, bound / cyc):.0%} |")
     return 0
