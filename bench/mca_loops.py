@@ -13,7 +13,7 @@ loop's instructions per scalar multiply-add (instructions / (FMAs x lanes)), the
 counterpart of the instructions a core retires per multiply-add. No hardware is needed: this
 is what the loops permit, not what a core measured.
 
-    python3 bench/mca_loops.py --aarch64-object build/aarch64/CMakeFiles/dattn.dir/src/backends/flash/cpu/kernels_neon.cpp.o \\
+    python3 bench/mca_loops.py --aarch64-object-dir build/aarch64/CMakeFiles/dattn.dir/src/backends/flash/cpu \\
         --x86-object-dir build/release/CMakeFiles/dattn.dir/src/backends/flash/cpu
 """
 
@@ -25,25 +25,37 @@ import shutil
 import subprocess
 import sys
 
-# The FMA mnemonic of each engine's loops.
-FMA = {"neon": r"^fmla\b", "avx2": r"^vfmadd\w*ps\b", "avx512": r"^vfmadd\w*ps\b"}
+# Each engine: (the object file's key, the C++ namespace of its loops, the multiply-add
+# mnemonic, scalar multiply-adds per instruction, and its steps' functions: demangled names of
+# the step and the micro-kernels it may call out of line).
+F32_STEPS = (("Q.K^T", ("qk", "qk_rows", "qk_keys")), ("P.V", ("pv", "pv_chunk", "pv_rows")))
+INT8_STEPS = (("Q.K^T", ("int8_qk", "int8_qk_keys")),)
+ENGINES = {
+    "neon": ("neon", "neon_impl", r"^fmla\b", 4, F32_STEPS),
+    # BFDOT: 4 f32 lanes of 2 bf16 products.
+    "neon_bf16": ("neon_bf16", "neon_bf16_impl", r"^bfdot\b", 8, F32_STEPS),
+    # SDOT / USDOT: 4 int32 lanes of 4 byte products (Q.K^T; P.V is neon's FMLA by default).
+    "neon_dotprod": ("int8_neon", "int8_neon_impl", r"^sdot\b", 16, INT8_STEPS),
+    "neon_i8mm": ("int8_neon", "int8_neon_impl", r"^usdot\b", 16, INT8_STEPS),
+    "avx2": ("avx2", "avx2_impl", r"^vfmadd\w*ps\b", 8, F32_STEPS),
+    "avx512": ("avx512", "avx512_impl", r"^vfmadd\w*ps\b", 16, F32_STEPS),
+}
 
-# (engine, step, functions: demangled prefixes of the step and the micro-kernels it may call
-# out of line)
-KERNELS = [(engine, step, tuple(f"dattn::flash::{engine}_impl::{f}<" for f in functions))
-           for engine in FMA
-           for step, functions in (("Q.K^T", ("qk", "qk_rows", "qk_keys")),
-                                   ("P.V", ("pv", "pv_chunk", "pv_rows")))]
+KERNELS = [(engine, step, tuple(f"dattn::flash::{ns}::{f}<" for f in functions))
+           for engine, (_, ns, _, _, steps) in ENGINES.items()
+           for step, functions in steps]
 
-# f32 lanes per vector FMA.
-LANES = {"neon": 4, "avx2": 8, "avx512": 16}
-
-# CPU models: (llvm-mca -mcpu, triple, vector FMA instructions retired per cycle at the engine's
-# width). Neoverse N1: 2 x 128-bit FP pipes; V1: 4 x 128-bit NEON (2 x 256-bit SVE); V2: 4 x
-# 128-bit; Zen 3: 2 x 256-bit FMA; Zen 4: 2 x 256-bit (a 512-bit FMA takes both: 1 per cycle).
+# CPU models: (llvm-mca -mcpu, triple, the engine's multiply-add instructions retired per cycle).
+# FMLA: Neoverse N1 2 x 128-bit FP pipes; V1 4 x 128-bit NEON (2 x 256-bit SVE); V2 4 x 128-bit.
+# SDOT, USDOT, BFDOT: 2 per cycle on N1, 4 on V1 and V2 (llvm-mca's models; N1 has neither BF16
+# nor I8MM). Zen 3: 2 x 256-bit FMA; Zen 4: 2 x 256-bit (a 512-bit FMA takes both: 1 per cycle).
 MODELS = {
     "neon": [("neoverse-n1", "aarch64", 2), ("neoverse-v1", "aarch64", 4),
              ("neoverse-v2", "aarch64", 4)],
+    "neon_bf16": [("neoverse-v1", "aarch64", 4), ("neoverse-v2", "aarch64", 4)],
+    "neon_dotprod": [("neoverse-n1", "aarch64", 2), ("neoverse-v1", "aarch64", 4),
+                     ("neoverse-v2", "aarch64", 4)],
+    "neon_i8mm": [("neoverse-v1", "aarch64", 4), ("neoverse-v2", "aarch64", 4)],
     "avx2": [("znver3", "x86_64", 2), ("znver4", "x86_64", 2)],
     "avx512": [("znver4", "x86_64", 1)],
 }
@@ -134,25 +146,28 @@ def mca(llvm_mca: str, triple: str, cpu: str, body: list) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--aarch64-object", help="kernels_neon.cpp.o of the AArch64 build")
+    ap.add_argument("--aarch64-object-dir", help="the AArch64 build's kernel objects' directory")
     ap.add_argument("--x86-object-dir", help="the x86 build's kernel objects' directory")
     ap.add_argument("--llvm-mca", default=tool("llvm-mca-19", "llvm-mca"))
     args = ap.parse_args()
     objects = {}
-    if args.aarch64_object:
-        objects["neon"] = (args.aarch64_object, tool("aarch64-linux-gnu-objdump"))
-    if args.x86_object_dir:
-        objects["avx2"] = (f"{args.x86_object_dir}/kernels_avx2.cpp.o", "objdump")
-        objects["avx512"] = (f"{args.x86_object_dir}/kernels_avx512.cpp.o", "objdump")
+    for engine, (key, *_rest) in ENGINES.items():
+        arm = engine.startswith("neon")
+        where = args.aarch64_object_dir if arm else args.x86_object_dir
+        if where:
+            objects[engine] = (f"{where}/kernels_{key}.cpp.o",
+                               tool("aarch64-linux-gnu-objdump") if arm else "objdump")
     print(f"llvm-mca: {args.llvm_mca}")
-    print("| engine | loop | FMAs / iteration | instructions per multiply-add | CPU model | "
-          "FMA / cycle | predicted cycles | cycles at the FMA bound | fraction of peak |")
+    print("| engine | loop | multiply-add instructions / iteration | instructions per multiply-add "
+          "| CPU model | multiply-add instructions / cycle | predicted cycles | cycles at that bound "
+          "| fraction of peak |")
     print("|---|---|---|---|---|---|---|---|---|")
     for engine, step, funcs in KERNELS:
         if engine not in objects:
             continue
         obj, objdump = objects[engine]
-        loops = [innermost_loop(f, re.compile(FMA[engine])) for f in disassemble(objdump, obj, funcs)]
+        mnemonic, macs = ENGINES[engine][2], ENGINES[engine][3]
+        loops = [innermost_loop(f, re.compile(mnemonic)) for f in disassemble(objdump, obj, funcs)]
         loops = [x for x in loops if x]
         if not loops:
             print(f"| {engine} | {step} | no loop found | | | | | | |")
@@ -161,7 +176,7 @@ def main() -> int:
         for cpu, triple, rate in MODELS[engine]:
             cyc = mca(args.llvm_mca, triple, cpu, body)
             bound = n / rate
-            per = len(body) / (n * LANES[engine])
+            per = len(body) / (n * macs)
             print(f"| {engine} | {step} ({len(body)} instructions) | {n} | {per:.3f} | {cpu} | "
                   f"{rate} | {cyc:.2f} | {bound:.2f} | {min(1.0, bound / cyc):.0%} |")
     return 0

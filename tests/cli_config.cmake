@@ -20,7 +20,7 @@ foreach(value "junk" "amx,avx2" "${long}")
   run_env(ISA "DATTN_ISA=${value}" run --reps 1)
   string(SUBSTRING "${value}" 0 20 shown)
   if("${ISA_RC}" STREQUAL "0" OR NOT ISA_ERR MATCHES "DATTN_ISA" OR
-     NOT ISA_ERR MATCHES "portable, portable_int8, neon, avx2")
+     NOT ISA_ERR MATCHES "portable, portable_int8, neon, neon_dotprod, neon_dotprod_emulated, avx2")
     message(FATAL_ERROR "DATTN_ISA='${shown}...': expected an error naming DATTN_ISA and the "
                         "engines, got ${ISA_RC}\nstdout:\n${ISA_OUT}\nstderr:\n${ISA_ERR}")
   endif()

@@ -1168,12 +1168,13 @@ TEST(FlashSteps, SoftmaxTileCodesMatchesSoftmaxTile) {
 // softmax (m, l and alpha) followed by the P.V of its emulated twin, which packs that softmax's
 // f32 probabilities and computes vdpbf16ps lane by lane; ST keeps the logits. Rows hidden
 // throughout, far down the float range, with a NaN logit, and blocks of rows at other offsets.
-TEST(FlashSteps, Bf16SoftmaxPairsGiveTheBitsOfSoftmaxThenPacking) {
-  const flash::Engine& real = engine("avx512_bf16");
-  if (const auto why = real.unavailable()) GTEST_SKIP() << "avx512_bf16: " << *why;
+void expect_softmax_pairs_then_twin_pv(const char* real_name, const char* f32_name,
+                                       const char* twin_name) {
+  const flash::Engine& real = engine(real_name);
+  if (const auto why = real.unavailable()) GTEST_SKIP() << real_name << ": " << *why;
   const flash::TileKernels& kk = real.kernels();
-  const flash::TileKernels& f32 = engine("avx512").kernels();
-  const flash::TileKernels& twin = engine("avx512_bf16_emulated").kernels();
+  const flash::TileKernels& f32 = engine(f32_name).kernels();
+  const flash::TileKernels& twin = engine(twin_name).kernels();
   constexpr int kRowsP = 64, kRows = 50, kLd = kRowsP + 16, kD = 64, kDv = 64, kLdo = kDv + 16;
   const auto hidden = [](int r) { return r % 16 == 3; };
   const auto far_down = [](int r) { return r % 16 == 5; };
@@ -1246,6 +1247,78 @@ TEST(FlashSteps, Bf16SoftmaxPairsGiveTheBitsOfSoftmaxThenPacking) {
   // The NaN row's output is NaN from its tile on; the hidden rows saw nothing.
   EXPECT_TRUE(std::isnan(o1[std::size_t(20) * kLdo]));
   EXPECT_EQ(l1[3], 0.0f);
+}
+
+TEST(FlashSteps, Bf16SoftmaxPairsGiveTheBitsOfSoftmaxThenPacking) {
+  expect_softmax_pairs_then_twin_pv("avx512_bf16", "avx512", "avx512_bf16_emulated");
+}
+
+// The same for neon_bf16 (BFDOT, run under qemu-aarch64 here) against the neon f32 softmax and
+// the P.V of its twin, which models BFDOT's round-to-odd additions: the twin's arithmetic is the
+// instruction's, bit for bit.
+TEST(FlashSteps, NeonBf16SoftmaxPairsGiveTheBitsOfSoftmaxThenPacking) {
+  expect_softmax_pairs_then_twin_pv("neon_bf16", "neon", "neon_bf16_emulated");
+}
+
+// Q.K^T of each bf16-dot engine gives its emulated twin's bits: logits of every size, with
+// inputs whose products and sums round (the twin models the instruction's rounding, to nearest
+// even in two FMAs for vdpbf16ps, to odd for BFDOT), denormal bf16 inputs (read as zero), keys
+// whose products overflow to infinity (NaN logits) and a NaN query element; keys of 1-8 and odd
+// head sizes (a missing odd element is zero).
+TEST(FlashSteps, Bf16QkGivesTheTwinsBits) {
+  for (const auto& [real_name, twin_name] : {std::pair{"avx512_bf16", "avx512_bf16_emulated"},
+                                             std::pair{"neon_bf16", "neon_bf16_emulated"}}) {
+    const flash::Engine& real = engine(real_name);
+    if (real.unavailable()) continue;
+    const flash::TileKernels& kk = real.kernels();
+    const flash::TileKernels& twin = engine(twin_name).kernels();
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const auto aligned = [](std::vector<unsigned char>& b) {
+      return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(b.data()) + 63) / 64 * 64);
+    };
+    for (const int d : {64, 37, 128}) {
+      constexpr int kRowsP = 64, kLd = kRowsP + 8;
+      std::vector<float> qt(std::size_t(d) * kLd);
+      for (std::size_t i = 0; i < qt.size(); ++i)
+        qt[i] = i % 11 == 0 ? 1e-39f : nd(rng) * (i % 7 == 0 ? 300.0f : 1.0f);
+      qt[std::size_t(3) * kLd + 9] = NAN;  // row 9's element 3
+      for (const int keys : {64, 17, 1, 8}) {
+        const std::string what =
+            std::string(real_name) + " d " + std::to_string(d) + " keys " + std::to_string(keys);
+        std::vector<float> k(std::size_t(keys) * d);
+        for (std::size_t i = 0; i < k.size(); ++i) k[i] = nd(rng) * 4.0f + 0.5f;
+        for (int e = 0; e < d; e += 3) k[std::size_t(e)] = 2e-39f;  // key 0: denormals
+        if (keys > 2)
+          for (int e = 0; e < d; ++e) k[std::size_t(2) * d + e] = 3e38f;  // key 2 overflows
+        std::vector<unsigned char> ws1(kk.formats.workspace_bytes(kRowsP, d, d) + 64),
+            ws2(twin.formats.workspace_bytes(kRowsP, d, d) + 64),
+            k1(kk.formats.k_tile_bytes(d) + 64), k2(twin.formats.k_tile_bytes(d) + 64);
+        kk.formats.pack_q(qt.data(), kLd, kRowsP, d, d, 0.09f, aligned(ws1));
+        twin.formats.pack_q(qt.data(), kLd, kRowsP, d, d, 0.09f, aligned(ws2));
+        kk.formats.pack_k(k.data(), d, keys, d, aligned(k1));
+        twin.formats.pack_k(k.data(), d, keys, d, aligned(k2));
+        std::vector<float> st1(std::size_t(keys) * kLd, 7.0f), st2 = st1;
+        kk.steps.qk(aligned(k1), d, qt.data(), kLd, st1.data(), kLd, keys, kRowsP, d, aligned(ws1));
+        twin.steps.qk(aligned(k2), d, qt.data(), kLd, st2.data(), kLd, keys, kRowsP, d,
+                      aligned(ws2));
+        for (int j = 0; j < keys; ++j)
+          for (int r = 0; r < kRowsP; ++r) {
+            const float x1 = st1[std::size_t(j) * kLd + r], x2 = st2[std::size_t(j) * kLd + r];
+            if (std::isnan(x2)) {
+              ASSERT_TRUE(std::isnan(x1)) << what << " key " << j << " row " << r;
+            } else {
+              ASSERT_EQ(std::memcmp(&x1, &x2, sizeof(float)), 0)
+                  << what << " key " << j << " row " << r << ": " << x1 << " vs " << x2;
+            }
+          }
+        if (keys > 2) {
+          EXPECT_TRUE(std::isnan(st1[std::size_t(2) * kLd])) << what;
+        }
+        EXPECT_TRUE(std::isnan(st1[9]));
+      }
+    }
+  }
 }
 
 std::vector<std::string> engine_names() {

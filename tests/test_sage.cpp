@@ -322,7 +322,9 @@ TEST(Sage, Int8PvAccuracyAgainstReference) {
 
 // pv_dtype auto is, bit for bit, int16 on the engines whose integer dot takes int16 pairs
 // (avx512_vnni, avx_vnni, avx2_int8 and their twins: chosen by measurement, docs/semantics.md)
-// and f32 on portable_int8; amx_int8 keeps its own bf16 tiles (neither).
+// and f32 on portable_int8 and the AArch64 engines (neon_dotprod, neon_i8mm and their twins:
+// NEON's int16 multiply-adds are no faster than FMLA); amx_int8 keeps its own bf16 tiles
+// (neither).
 TEST(Sage, AutoPvDtypeIsTheMeasuredChoice) {
   const i64 s = 150, hq = 4, hkv = 2, d = 64;
   const Tensor q = random_tensor({1, s, hq, d}, DType::F32, 61),
@@ -347,7 +349,7 @@ TEST(Sage, AutoPvDtypeIsTheMeasuredChoice) {
     if (int16) {
       EXPECT_EQ(deflt, run("int16"));
       EXPECT_NE(deflt, run("f32"));
-    } else if (name == "portable_int8") {
+    } else if (name == "portable_int8" || name.rfind("neon_", 0) == 0) {
       EXPECT_EQ(deflt, run("f32"));
       EXPECT_NE(deflt, run("int16"));
     } else {  // amx_int8 and its twin: bf16 tiles

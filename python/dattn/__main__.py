@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 
 from . import _core
 
-_KINDS = (("f32_fma", "f32 FMA"), ("bf16_dot", "bf16 dot (vdpbf16ps)"),
+_BF16_DOT = "BFDOT" if platform.machine().lower() in ("aarch64", "arm64") else "vdpbf16ps"
+_KINDS = (("f32_fma", "f32 FMA"), ("bf16_dot", f"bf16 dot ({_BF16_DOT})"),
           ("amx_bf16", "AMX tiles (tdpbf16ps)"), ("int8_dot", "int8 dot (GOP/s)"),
           ("int16_dot", "int16 dot (GOP/s)"), ("amx_int8", "AMX int8 tiles (tdpbssd, GOP/s)"))
 
@@ -28,7 +30,7 @@ def _peak_kind(engine: dict):
         return "int8_dot"
     if engine["compute_dtype"] == "int16":  # the 16-bit integer lanes
         return "int16_dot"
-    return {"avx512_bf16": "bf16_dot", "amx": "amx_bf16"}.get(engine["name"])
+    return {"avx512_bf16": "bf16_dot", "neon_bf16": "bf16_dot", "amx": "amx_bf16"}.get(engine["name"])
 
 
 def info(threads: int = 0) -> dict:

@@ -355,6 +355,57 @@ float fma_neon(long long iters, float seed) {
   return vaddvq_f32(s);
 }
 
+// BFDOT (BF16): 4 f32 lanes, each 2 bf16 products per step.
+__attribute__((target("arch=armv8.2-a+bf16"))) float dot_neon_bfdot(long long iters, float seed) {
+  // The operands from memory: as constants GCC 12 makes them with FMOV's f16 form, which needs
+  // FEAT_FP16 besides BF16.
+  static volatile std::uint32_t operands[2] = {0xbf003f00u, 0x3e803e80u};  // (0.5, -0.5), 0.25
+  const bfloat16x8_t x = vreinterpretq_bf16_u32(vdupq_n_u32(operands[0]));
+  const bfloat16x8_t y = vreinterpretq_bf16_u32(vdupq_n_u32(operands[1]));
+#define DATTN_INIT(k) float32x4_t a##k = vdupq_n_f32(seed + static_cast<float>(k));
+#define DATTN_STEP(k) a##k = vbfdotq_f32(a##k, x, y);
+#define DATTN_SUM(k) s = vaddq_f32(s, a##k);
+  DATTN_CHAINS(DATTN_INIT)
+  for (long long i = 0; i < iters; ++i) {
+    DATTN_CHAINS(DATTN_STEP)
+  }
+  float32x4_t s = vdupq_n_f32(0.0f);
+  DATTN_CHAINS(DATTN_SUM)
+#undef DATTN_INIT
+#undef DATTN_STEP
+#undef DATTN_SUM
+  return vaddvq_f32(s);
+}
+
+// The SAGE engines' 8-bit dots: SDOT (neon_dotprod) and USDOT (neon_i8mm), 16 byte products
+// per instruction; the int32 chains wrap harmlessly.
+#define DATTN_NEON_INT8_DOT(NAME, TARGET, STEP)                             \
+  __attribute__((target(TARGET))) float NAME(long long iters, float seed) { \
+    const int8x16_t x = vdupq_n_s8(3);                                      \
+    const uint8x16_t ux = vdupq_n_u8(3);                                    \
+    const int8x16_t y = vdupq_n_s8(-5);                                     \
+    (void)x;                                                                \
+    (void)ux;                                                               \
+    DATTN_CHAINS(DATTN_INIT)                                                \
+    for (long long i = 0; i < iters; ++i) {                                 \
+      DATTN_CHAINS(STEP)                                                    \
+    }                                                                       \
+    int32x4_t s = vdupq_n_s32(0);                                           \
+    DATTN_CHAINS(DATTN_SUM)                                                 \
+    return static_cast<float>(vaddvq_s32(s));                               \
+  }
+#define DATTN_INIT(k) int32x4_t a##k = vdupq_n_s32(static_cast<int>(seed) + k);
+#define DATTN_SUM(k) s = vaddq_s32(s, a##k);
+#define DATTN_SDOT(k) a##k = vdotq_s32(a##k, x, y);
+#define DATTN_USDOT(k) a##k = vusdotq_s32(a##k, ux, y);
+DATTN_NEON_INT8_DOT(dot_neon_sdot, "arch=armv8.2-a+dotprod", DATTN_SDOT)
+DATTN_NEON_INT8_DOT(dot_neon_usdot, "arch=armv8.2-a+i8mm", DATTN_USDOT)
+#undef DATTN_INIT
+#undef DATTN_SUM
+#undef DATTN_SDOT
+#undef DATTN_USDOT
+#undef DATTN_NEON_INT8_DOT
+
 #endif  // __aarch64__
 
 // Portable fallback: a multiply and an add per chain step (2 flops, fused or not).
@@ -458,7 +509,7 @@ Rate measure(Kernel fn, double flops_per_iter, int threads, double seconds) {
   return best;
 }
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(__aarch64__)
 // One thread's rate of `other` over that of `base` (both in ops): short trials of the two loops
 // alternate, so a neighbour taking the core for a while slows both alike, and the best trial of
 // each counts; calibrated (and the core warmed up) on `base`.
@@ -476,7 +527,9 @@ double interleaved_ratio(Kernel base, double base_ops, Kernel other, double othe
   }
   return b > 0 ? o / b : 0;
 }
+#endif
 
+#if defined(__x86_64__)
 // The 16-bit integer lanes' loop on this CPU (vpdpwssd zmm, vpdpwssd ymm, or AVX2's vpmaddwd +
 // vpaddd), its ops per call (2 per int16 product) and its name; fn nullptr without AVX2.
 struct Int16Dot {
@@ -493,13 +546,17 @@ Int16Dot int16_dot_of(const CpuFeatures& f) {
 }
 #endif
 
-// One thread's vdpbf16ps rate over its f32 FMA rate (both in flops: a bf16 pair product and
-// an f32 FMA are 2 flops each), interleaved.
+// One thread's bf16 dot rate (vdpbf16ps, BFDOT) over its f32 FMA rate (both in flops: a bf16 pair
+// product and an f32 FMA are 2 flops each), interleaved.
 double bf16_dot_ratio_uncached() {
 #if defined(__x86_64__)
   const CpuFeatures& f = cpu_features();
   if (!f.avx512f || !f.avx512_bf16) return 0;
   return interleaved_ratio(fma_avx512, 2.0 * 16 * kChains, dot_avx512bf16, 16.0 * 2 * 2 * kChains);
+#elif defined(__aarch64__)
+  const CpuFeatures& f = cpu_features();
+  if (!f.neon || !f.bf16) return 0;
+  return interleaved_ratio(fma_neon, 2.0 * 4 * kChains, dot_neon_bfdot, 4.0 * 2 * 2 * kChains);
 #else
   return 0;
 #endif
@@ -555,9 +612,13 @@ PeakGflops measure_uncached(int threads, double seconds) {
     lanes = 4;
     out.isa = "neon";
   }
+  bf16 = f.neon && f.bf16;
+  if (!bf16) out.bf16_dot_unavailable = "this CPU lacks BF16 (BFDOT, Armv8.6)";
+#endif
+#if !defined(__x86_64__) && !defined(__aarch64__)
+  out.bf16_dot_unavailable = "this build has no bf16 dot engine for this CPU";
 #endif
 #if !defined(__x86_64__)
-  out.bf16_dot_unavailable = "vdpbf16ps (AVX512-BF16) is an x86-64 instruction";
   out.amx_bf16_unavailable = "AMX is an x86-64 extension";
   out.amx_int8_unavailable = "AMX is an x86-64 extension";
 #endif
@@ -594,6 +655,22 @@ PeakGflops measure_uncached(int threads, double seconds) {
   } else {
     out.int16_dot_unavailable = "this CPU lacks AVX2 (vpmaddwd)";
   }
+#elif defined(__aarch64__)
+  if (bf16) out.bf16_dot = measure(dot_neon_bfdot, 4.0 * 2 * 2 * kChains, threads, share).gflops;
+  if (f.neon && f.i8mm) {
+    out.int8_dot = measure(dot_neon_usdot, 16.0 * 2 * kChains, threads, share).gflops;
+    out.int8_dot_isa = "neon_i8mm (usdot)";
+  } else if (f.neon && f.asimddp) {
+    out.int8_dot = measure(dot_neon_sdot, 16.0 * 2 * kChains, threads, share).gflops;
+    out.int8_dot_isa = "neon_dotprod (sdot)";
+  } else {
+    out.int8_dot_unavailable =
+        "this CPU lacks the dot product instructions (SDOT, Armv8.2; the SAGE engines run portable "
+        "C++)";
+  }
+  out.int16_dot_unavailable =
+      "dattn has no 16-bit integer-lane engine on AArch64 (SMLAL makes four products per "
+      "instruction, as FMLA does)";
 #else
   out.int8_dot_unavailable = "the SAGE engines' int8 dot instructions are x86-64's";
   out.int16_dot_unavailable =

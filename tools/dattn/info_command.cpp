@@ -207,7 +207,11 @@ void print_text(std::ostream& os, const json& info) {
   };
   const std::array<std::array<const char*, 2>, 6> kinds{
       {{"f32_fma", "f32 FMA"},
+#if defined(__aarch64__)
+       {"bf16_dot", "bf16 dot (BFDOT)"},
+#else
        {"bf16_dot", "bf16 dot (vdpbf16ps)"},
+#endif
        {"amx_bf16", "AMX tiles (tdpbf16ps)"},
        {"int8_dot", "int8 dot (GOP/s)"},
        {"int16_dot", "int16 dot (GOP/s)"},

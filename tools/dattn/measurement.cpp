@@ -489,7 +489,7 @@ std::string peak_kind_of_engine(const std::string& engine) {
     if (e.name != engine) continue;
     if (e.emulated) return {};
     if (e.compute_dtype == "f32") return "f32_fma";
-    if (e.name == "avx512_bf16") return "bf16_dot";
+    if (e.name == "avx512_bf16" || e.name == "neon_bf16") return "bf16_dot";
     if (e.name == "amx") return "amx_bf16";
     if (e.name == "amx_int8") return "amx_int8";
     if (e.compute_dtype == "int8") return "int8_dot";    // SAGE's: Q.K^T's rate (P.V runs below it)

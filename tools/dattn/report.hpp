@@ -42,12 +42,12 @@ struct RunReport {
   // "avx512_bf16_emulated", ...); empty for a backend without engines (REFERENCE).
   std::string engine;
   // The measured peak that engine is held to, over `threads` threads (times `ranks`):
-  // "f32_fma" for the f32 engines (portable, avx2, avx512), "bf16_dot" (vdpbf16ps) for
-  // avx512_bf16, "amx_bf16" (tdpbf16ps) for amx, "int8_dot" (GOP/s) for SAGE's vector int8
-  // engines, "int16_dot" (GOP/s) for the 16-bit integer-lane engines, "amx_int8" (tdpbssd) for
-  // amx_int8. Empty, with no peak and no efficiency, for
-  // emulated engines (their speed says nothing about the hardware they emulate) and without an
-  // engine; `no_peak` then says why.
+  // "f32_fma" for the f32 engines (portable, avx2, avx512, neon), "bf16_dot" (vdpbf16ps, BFDOT)
+  // for avx512_bf16 and neon_bf16, "amx_bf16" (tdpbf16ps) for amx, "int8_dot" (GOP/s) for SAGE's
+  // vector int8 engines, "int16_dot" (GOP/s) for the 16-bit integer-lane engines, "amx_int8"
+  // (tdpbssd) for amx_int8. Empty, with no peak and no efficiency, for emulated engines (their
+  // speed says nothing about the hardware they emulate) and without an engine; `no_peak` then says
+  // why.
   std::string peak_kind;
   std::optional<double> peak_gflops;
   std::optional<double> efficiency;  // gflops / peak_gflops

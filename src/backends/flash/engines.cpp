@@ -69,17 +69,39 @@ std::optional<std::string> needs_neon() {
   return std::string("this CPU lacks NEON (AArch64's Advanced SIMD)");
 }
 
+std::optional<std::string> needs_neon_dotprod() {
+  if (needs_neon()) return needs_neon();
+  if (cpu_features().asimddp) return std::nullopt;
+  return std::string("this CPU lacks the dot product instructions (SDOT, Armv8.2's asimddp)");
+}
+
+std::optional<std::string> needs_neon_i8mm() {
+  if (needs_neon()) return needs_neon();
+  if (cpu_features().i8mm) return std::nullopt;
+  return std::string("this CPU lacks I8MM (USDOT, Armv8.6's int8 matrix multiply)");
+}
+
+std::optional<std::string> needs_neon_bf16() {
+  if (needs_neon()) return needs_neon();
+  if (cpu_features().bf16) return std::nullopt;
+  return std::string("this CPU lacks BF16 (BFDOT, Armv8.6's bf16 instructions)");
+}
+
 // Ladder order (ranks ascending; within a rank, the preferred engine last, emulated twins
 // right after their real ones). FLASH runs the f32 and bf16 engines, SAGE the int8 ones.
-constexpr std::array<Engine, 23> kEngines{{
+constexpr std::array<Engine, 29> kEngines{{
     {"portable", 0, ComputeDtype::f32, false, &always, &portable_kernels},
     {"portable_int8", 0, ComputeDtype::int8, false, &always, &portable_int8_kernels},
     {"neon", 1, ComputeDtype::f32, false, &needs_neon, &neon_kernels},
+    {"neon_dotprod", 1, ComputeDtype::int8, false, &needs_neon_dotprod, &neon_dotprod_kernels},
+    {"neon_dotprod_emulated", 1, ComputeDtype::int8, true, &always, &neon_dotprod_emulated_kernels},
     {"avx2", 1, ComputeDtype::f32, false, &needs_avx2, &avx2_kernels},
     {"avx2_int8", 1, ComputeDtype::int8, false, &needs_avx2, &avx2_int8_kernels},
     {"avx2_int8_emulated", 1, ComputeDtype::int8, true, &always, &avx2_int8_emulated_kernels},
     {"avx2_int16", 1, ComputeDtype::int16, false, &needs_avx2, &avx2_int16_kernels},
     {"avx2_int16_emulated", 1, ComputeDtype::int16, true, &always, &avx2_int16_emulated_kernels},
+    {"neon_i8mm", 2, ComputeDtype::int8, false, &needs_neon_i8mm, &neon_i8mm_kernels},
+    {"neon_i8mm_emulated", 2, ComputeDtype::int8, true, &always, &neon_i8mm_emulated_kernels},
     {"avx512", 2, ComputeDtype::f32, false, &needs_avx512, &avx512_kernels},
     {"avx_vnni", 2, ComputeDtype::int8, false, &needs_avx_vnni, &avx_vnni_kernels},
     {"avx_vnni_emulated", 2, ComputeDtype::int8, true, &always, &avx_vnni_emulated_kernels},
@@ -92,6 +114,8 @@ constexpr std::array<Engine, 23> kEngines{{
      &avx512_vnni_int16_kernels},
     {"avx512_vnni_int16_emulated", 2, ComputeDtype::int16, true, &always,
      &avx512_vnni_int16_emulated_kernels},
+    {"neon_bf16", 3, ComputeDtype::bf16, false, &needs_neon_bf16, &neon_bf16_kernels},
+    {"neon_bf16_emulated", 3, ComputeDtype::bf16, true, &always, &neon_bf16_emulated_kernels},
     {"avx512_bf16", 3, ComputeDtype::bf16, false, &needs_avx512_bf16, &avx512_bf16_kernels},
     {"avx512_bf16_emulated", 3, ComputeDtype::bf16, true, &always, &avx512_bf16_emulated_kernels},
     {"amx", 4, ComputeDtype::bf16, false, &needs_amx, &amx_kernels},
@@ -310,7 +334,9 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
     if (!e.available()) continue;
     // vdpbf16ps is chosen by itself only where it measurably outruns f32 FMAs (on Intel's AMX
     // machines it runs at about half their rate); AMX always does.
-    if (e.kernels == &avx512_bf16_kernels && cap == nullptr && !bf16_dot_outruns_fma()) continue;
+    if ((e.kernels == &avx512_bf16_kernels || e.kernels == &neon_bf16_kernels) && cap == nullptr &&
+        !bf16_dot_outruns_fma())
+      continue;
     return e;
   }
   return kEngines[0];
@@ -330,8 +356,9 @@ PvDtype parse_pv_dtype(const BackendOptions& options) {
   throw InvalidArgument("pv_dtype",
                         "backend option pv_dtype = " +
                             (name != nullptr ? "'" + *name + "'" : std::string("a non-string")) +
-                            " is not valid; valid: auto (the default: int16 on avx512_vnni, bf16 "
-                            "tiles on amx_int8, f32 on the 256-bit and portable engines), bf16, "
+                            " is not valid; valid: auto (the default: int16 on avx512_vnni, "
+                            "avx_vnni and avx2_int8, bf16 tiles on amx_int8, f32 on the AArch64 "
+                            "and portable engines), bf16, "
                             "f32, int16 (P and V as 12- and 13-bit codes in 16-bit integer lanes: "
                             "more accurate than bf16), int8 (P and V as 8-bit codes: fastest, "
                             "least accurate)");
@@ -376,6 +403,12 @@ const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv) {
         {&avx512_vnni_kernels, &avx512_vnni_pv8_kernels, &avx512_vnni_pv16_kernels},
         {&avx512_vnni_emulated_kernels, &avx512_vnni_emulated_pv8_kernels,
          &avx512_vnni_emulated_pv16_kernels},
+        {&neon_dotprod_kernels, &neon_dotprod_pv8_kernels, &neon_dotprod_pv16_kernels},
+        {&neon_dotprod_emulated_kernels, &neon_dotprod_emulated_pv8_kernels,
+         &neon_dotprod_emulated_pv16_kernels},
+        {&neon_i8mm_kernels, &neon_i8mm_pv8_kernels, &neon_i8mm_pv16_kernels},
+        {&neon_i8mm_emulated_kernels, &neon_i8mm_emulated_pv8_kernels,
+         &neon_i8mm_emulated_pv16_kernels},
         {&amx_int8_kernels, &avx512_vnni_pv8_kernels, &avx512_vnni_pv16_kernels},
         {&amx_int8_emulated_kernels, &avx512_vnni_emulated_pv8_kernels,
          &avx512_vnni_emulated_pv16_kernels}};
@@ -420,7 +453,7 @@ bool int16_lanes_outrun() {
 
 bool bf16_dot_outruns_fma() {
   static const bool faster = [] {
-    if (!cpu_features().avx512_bf16) return false;
+    if (!cpu_features().avx512_bf16 && !cpu_features().bf16) return false;
     return detail::bf16_dot_to_fma_ratio() >= 1.5;
   }();
   return faster;

@@ -96,7 +96,7 @@ bool keys_amortize_codes(const AttentionProblem& p);
 // below `cap` (nullptr: no cap) that serves it. f32 engines serve every call; bf16 engines serve
 // bf16 inputs and calls with compute_dtype bf16. An emulated engine serves only when it is the
 // cap itself. With no cap, bf16 engines serve only calls whose operands are all bf16 (or
-// compute_dtype bf16): amx wherever it is available, avx512_bf16 only where
+// compute_dtype bf16): amx wherever it is available, avx512_bf16 and neon_bf16 only where
 // bf16_dot_outruns_fma().
 // compute int8 (SAGE): the highest-ranked available int8 engine at or below the cap.
 // compute int16: the highest-ranked available int16 engine at or below the cap (an int16 cap:
@@ -150,9 +150,10 @@ PvDtype automatic_pv_dtype(const Engine& e);
 // has no bf16 P.V on this CPU.
 const TileKernels& int8_engine_kernels(const Engine& e, PvDtype pv);
 
-// True when this CPU's measured vdpbf16ps rate is at least 1.5x its f32 FMA rate (both in
-// flops; detail::bf16_dot_to_fma_ratio, interleaved trials on one thread). Measured once per
-// process, on first use, only when a choice depends on it; false without AVX512-BF16.
+// True when this CPU's measured bf16 dot rate (vdpbf16ps on x86-64, BFDOT on AArch64) is at least
+// 1.5x its f32 FMA rate (both in flops; detail::bf16_dot_to_fma_ratio, interleaved trials on one
+// thread). Measured once per process, on first use, only when a choice depends on it; false
+// without AVX512-BF16 or AArch64's BF16.
 bool bf16_dot_outruns_fma();
 
 }  // namespace dattn::flash

@@ -333,6 +333,10 @@ const TileKernels& neon_kernels();
 // same layouts, the same order of operations).
 const TileKernels& avx512_bf16_kernels();
 const TileKernels& avx512_bf16_emulated_kernels();
+// BFDOT (AArch64's BF16) on the same layouts in 4-lane vectors, and its twin computing BFDOT's
+// round-to-odd arithmetic in portable C++ (cpu/neon_bf16_emulated_ops.hpp).
+const TileKernels& neon_bf16_kernels();
+const TileKernels& neon_bf16_emulated_kernels();
 // The SAGE engines (8-bit Q.K^T, cpu/int8_impl.hpp): signed bytes with vpmaddubsw's sign trick
 // on AVX2, its portable C++ twin, and vpdpbusd on 256-bit (AVX-VNNI) and 512-bit (AVX512-VNNI)
 // registers, each with a portable twin computing the same integers in the same layouts. P.V: f32 on
@@ -347,6 +351,20 @@ const TileKernels& avx512_vnni_kernels();  // P.V in bf16 where the CPU can, els
 const TileKernels& avx512_vnni_f32_pv_kernels();
 const TileKernels& avx512_vnni_emulated_kernels();  // P.V on the emulated bf16 dot
 const TileKernels& avx512_vnni_emulated_f32_pv_kernels();
+// AArch64 (cpu/kernels_int8_neon.cpp): SDOT (neon_dotprod) and USDOT (neon_i8mm) on the neon f32
+// base, each with its twin; with P.V in 8 bits and in 16-bit integer lanes.
+const TileKernels& neon_dotprod_kernels();
+const TileKernels& neon_dotprod_emulated_kernels();
+const TileKernels& neon_i8mm_kernels();
+const TileKernels& neon_i8mm_emulated_kernels();
+const TileKernels& neon_dotprod_pv8_kernels();
+const TileKernels& neon_dotprod_emulated_pv8_kernels();
+const TileKernels& neon_i8mm_pv8_kernels();
+const TileKernels& neon_i8mm_emulated_pv8_kernels();
+const TileKernels& neon_dotprod_pv16_kernels();
+const TileKernels& neon_dotprod_emulated_pv16_kernels();
+const TileKernels& neon_i8mm_pv16_kernels();
+const TileKernels& neon_i8mm_emulated_pv16_kernels();
 // The same engines with P.V in 8 bits (pv_dtype int8, int8_impl.hpp: P codes per row and tile, V
 // codes per tile and column, the engine's own integer dot) on their f32 bases.
 const TileKernels& portable_int8_pv8_kernels();

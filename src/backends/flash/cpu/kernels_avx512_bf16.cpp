@@ -10,6 +10,7 @@
 #include <limits>
 #include <numbers>
 #include <type_traits>
+#include <utility>
 
 #include "backends/flash/kernels.hpp"
 #include "dattn/dtype.hpp"
