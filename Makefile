@@ -128,11 +128,14 @@ test-cpu-classes: build
 # multiarch; dlpack, header-only, through the build machine's CMake package, Debian's not being
 # co-installable), then CTest under qemu-user on several CPU models (DATTN_QEMU_CPU, read by
 # cmake/toolchains/qemu-aarch64.sh): AARCH64_RUNS, each "cpu model|DATTN_CPU_FEATURES|tests".
-# max runs every ARM engine's engine and conformance cases against REFERENCE, the CPU-feature
-# and never-silently-slow cases, SAGE's and VIDEO_SPARSE's engine cases (the emulated x86
-# twins included), paged KV and the C ABI; cortex-a72 (NEON only) and neoverse-n1 (NEON with
-# dot products) the CPU and engine cases, where engines needing what the model lacks skip;
-# max masked to portable the never-silently-slow rule, which fires there.
+# max (SVE at 512 bits) runs every ARM engine's engine and conformance cases against
+# REFERENCE, the CPU-feature and never-silently-slow cases, SAGE's and VIDEO_SPARSE's engine
+# cases (the emulated x86 twins included), FLASH's step cases (BFDOT held to its twin's bits),
+# paged KV and the C ABI; max at 256-bit SVE the sve engine's cases again (its other build),
+# at 128 bits its clean skip (neon serves); cortex-a72 (NEON only), neoverse-n1 (NEON with dot
+# products) and a64fx (SVE without dot products or BF16) the CPU and engine cases, where
+# engines needing what the model lacks skip; max masked to portable the never-silently-slow
+# rule, which fires there.
 AARCH64_DEBIAN_PACKAGES := g++-aarch64-linux-gnu qemu-user libc6:arm64 libstdc++6:arm64 \
   libgomp1:arm64 libpng-dev:arm64 libpython3-dev:arm64
 AARCH64_ENGINES := (neon|sve)[a-z0-9_]*
@@ -144,6 +147,9 @@ AARCH64_RUNS := \
   "max||$(AARCH64_CPU_CASES)|/$(AARCH64_ENGINES)$(AARCH64_END)|isa_$(AARCH64_ENGINES)$$|isa_portable$$|VideoSparseKernel\.EveryEngine|^Paged\.|PagedConformance|^Sage\.|^FlashSteps\.|^c_api$$" \
   "cortex-a72||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)" \
   "neoverse-n1||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)" \
+  "max,sve-default-vector-length=32||FlashEngine\..*/sve$(AARCH64_END)|isa_sve$$|VideoSparseKernel\.EveryEngine" \
+  "max,sve-default-vector-length=16||$(AARCH64_CPU_CASES)|FlashEngine\..*/sve$(AARCH64_END)" \
+  "a64fx||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)" \
   "max|portable|$(AARCH64_CPU_CASES)|FlashEngine\..*/portable$(AARCH64_END)"
 # The ARM engines' emulated twins compute in portable C++ (the same code as on x86, where `make
 # test` runs their cases): under qemu only the FlashSteps cases that hold the real instructions

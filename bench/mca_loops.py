@@ -32,6 +32,9 @@ F32_STEPS = (("Q.K^T", ("qk", "qk_rows", "qk_keys")), ("P.V", ("pv", "pv_chunk",
 INT8_STEPS = (("Q.K^T", ("int8_qk", "int8_qk_keys")),)
 ENGINES = {
     "neon": ("neon", "neon_impl", r"^fmla\b", 4, F32_STEPS),
+    # The sve engine's two builds: FMLA on 8 and 16 f32 lanes.
+    "sve (256-bit)": ("sve256", "sve256_impl", r"^fmla\b", 8, F32_STEPS),
+    "sve (512-bit)": ("sve512", "sve512_impl", r"^fmla\b", 16, F32_STEPS),
     # BFDOT: 4 f32 lanes of 2 bf16 products.
     "neon_bf16": ("neon_bf16", "neon_bf16_impl", r"^bfdot\b", 8, F32_STEPS),
     # SDOT / USDOT: 4 int32 lanes of 4 byte products (Q.K^T; P.V is neon's FMLA by default).
@@ -52,6 +55,9 @@ KERNELS = [(engine, step, tuple(f"dattn::flash::{ns}::{f}<" for f in functions))
 MODELS = {
     "neon": [("neoverse-n1", "aarch64", 2), ("neoverse-v1", "aarch64", 4),
              ("neoverse-v2", "aarch64", 4)],
+    # SVE's FMLA: Neoverse V1 2 x 256-bit; A64FX 2 x 512-bit.
+    "sve (256-bit)": [("neoverse-v1", "aarch64", 2)],
+    "sve (512-bit)": [("a64fx", "aarch64", 2)],
     "neon_bf16": [("neoverse-v1", "aarch64", 4), ("neoverse-v2", "aarch64", 4)],
     "neon_dotprod": [("neoverse-n1", "aarch64", 2), ("neoverse-v1", "aarch64", 4),
                      ("neoverse-v2", "aarch64", 4)],
@@ -152,7 +158,7 @@ def main() -> int:
     args = ap.parse_args()
     objects = {}
     for engine, (key, *_rest) in ENGINES.items():
-        arm = engine.startswith("neon")
+        arm = engine.startswith(("neon", "sve"))
         where = args.aarch64_object_dir if arm else args.x86_object_dir
         if where:
             objects[engine] = (f"{where}/kernels_{key}.cpp.o",

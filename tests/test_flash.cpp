@@ -631,7 +631,15 @@ TEST(FlashEngines, TheTableListsTheLadderAndTheEmulatedTwins) {
                            "avx_vnni_int16",
                            "avx_vnni_int16_emulated",
                            "avx512_vnni_int16",
-                           "avx512_vnni_int16_emulated"})
+                           "avx512_vnni_int16_emulated",
+                           "neon",
+                           "sve",
+                           "neon_bf16",
+                           "neon_bf16_emulated",
+                           "neon_dotprod",
+                           "neon_dotprod_emulated",
+                           "neon_i8mm",
+                           "neon_i8mm_emulated"})
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
   for (std::size_t i = 1; i < engines.size(); ++i)
     EXPECT_LE(engines[i - 1].rank, engines[i].rank) << engines[i].name;

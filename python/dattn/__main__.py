@@ -61,7 +61,7 @@ def info(threads: int = 0) -> dict:
         "platform": "cpu",
         "cpu": {"brand": cpu["brand"], "vendor": cpu["vendor"],
                 "logical_cpus": cpu["logical_cpus"], "l2_bytes": cpu["l2_bytes"],
-                "features": list(cpu["features"]),
+                "features": list(cpu["features"]), "sve_bits": cpu["sve_bits"],
                 "detected_features": list(cpu["detected_features"]),
                 "feature_mask": cpu["feature_mask"]},
         "far_below_cpu": cpu["far_below_cpu"],
@@ -104,6 +104,8 @@ def format_text(data: dict) -> str:
     label("platform", data["platform"])
     label("cpu", f"{cpu['brand']} ({cpu['logical_cpus']} logical CPUs)")
     features = _cell(cpu["features"]) if cpu["features"] else "none"
+    if cpu["sve_bits"] > 0:
+        features += f" (SVE at {cpu['sve_bits']} bits)"
     if cpu["feature_mask"] is not None:
         features += (f" (DATTN_CPU_FEATURES={cpu['feature_mask']}; "
                      f"detected {_cell(cpu['detected_features'])})")

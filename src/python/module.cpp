@@ -750,6 +750,7 @@ PYBIND11_MODULE(_core, m) {
     d["logical_cpus"] = f.logical_cpus;
     d["l2_bytes"] = f.l2_bytes;  // one core's L2 as the OS reports it; 0 when unknown
     d["features"] = f.names();   // under DATTN_CPU_FEATURES, if set
+    d["sve_bits"] = f.sve_bits;  // SVE's vector length in bits for this process (0 without)
     d["detected_features"] = detected_cpu_features().names();
     const char* mask = std::getenv("DATTN_CPU_FEATURES");  // as `dattn info` reports it
     d["feature_mask"] = mask != nullptr && std::string_view(mask).find_first_not_of(

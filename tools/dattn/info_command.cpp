@@ -104,6 +104,7 @@ json info_json(int threads, const PeakGflops& peak) {
               {"logical_cpus", cpu.logical_cpus},
               {"l2_bytes", cpu.l2_bytes},
               {"features", cpu.names()},
+              {"sve_bits", cpu.sve_bits},
               {"detected_features", detected_cpu_features().names()},
               {"feature_mask", feature_mask_env()}};
   // The never-silently-slow rule (dattn/engines.hpp): why automatic calls run far below this
@@ -183,6 +184,8 @@ void print_text(std::ostream& os, const json& info) {
   label("cpu") << info["cpu"]["brand"].get<std::string>() << " ("
                << info["cpu"]["logical_cpus"].get<int>() << " logical CPUs)\n";
   label("features") << (info["cpu"]["features"].empty() ? "none" : cell(info["cpu"]["features"]));
+  if (info["cpu"]["sve_bits"].get<int>() > 0)
+    os << " (SVE at " << info["cpu"]["sve_bits"].get<int>() << " bits)";
   if (!info["cpu"]["feature_mask"].is_null())
     os << " (DATTN_CPU_FEATURES=" << info["cpu"]["feature_mask"].get<std::string>() << "; detected "
        << cell(info["cpu"]["detected_features"]) << ")";

@@ -69,6 +69,18 @@ std::optional<std::string> needs_neon() {
   return std::string("this CPU lacks NEON (AArch64's Advanced SIMD)");
 }
 
+// The sve engine is built for 256- and 512-bit vectors (kernels_sve_impl.hpp); at 128 bits NEON
+// has the same lanes and the neon engine serves.
+std::optional<std::string> needs_sve() {
+  if (needs_neon()) return needs_neon();
+  const CpuFeatures& f = cpu_features();
+  if (!f.sve) return std::string("this CPU lacks SVE");
+  if (f.sve_bits == 256 || f.sve_bits == 512) return std::nullopt;
+  return "SVE's vector length here is " + std::to_string(f.sve_bits) +
+         " bits; the sve engine is built for 256 and 512 (at 128 bits the neon engine has the "
+         "same lanes)";
+}
+
 std::optional<std::string> needs_neon_dotprod() {
   if (needs_neon()) return needs_neon();
   if (cpu_features().asimddp) return std::nullopt;
@@ -89,7 +101,7 @@ std::optional<std::string> needs_neon_bf16() {
 
 // Ladder order (ranks ascending; within a rank, the preferred engine last, emulated twins
 // right after their real ones). FLASH runs the f32 and bf16 engines, SAGE the int8 ones.
-constexpr std::array<Engine, 29> kEngines{{
+constexpr std::array<Engine, 30> kEngines{{
     {"portable", 0, ComputeDtype::f32, false, &always, &portable_kernels},
     {"portable_int8", 0, ComputeDtype::int8, false, &always, &portable_int8_kernels},
     {"neon", 1, ComputeDtype::f32, false, &needs_neon, &neon_kernels},
@@ -100,6 +112,7 @@ constexpr std::array<Engine, 29> kEngines{{
     {"avx2_int8_emulated", 1, ComputeDtype::int8, true, &always, &avx2_int8_emulated_kernels},
     {"avx2_int16", 1, ComputeDtype::int16, false, &needs_avx2, &avx2_int16_kernels},
     {"avx2_int16_emulated", 1, ComputeDtype::int16, true, &always, &avx2_int16_emulated_kernels},
+    {"sve", 2, ComputeDtype::f32, false, &needs_sve, &sve_kernels},
     {"neon_i8mm", 2, ComputeDtype::int8, false, &needs_neon_i8mm, &neon_i8mm_kernels},
     {"neon_i8mm_emulated", 2, ComputeDtype::int8, true, &always, &neon_i8mm_emulated_kernels},
     {"avx512", 2, ComputeDtype::f32, false, &needs_avx512, &avx512_kernels},
@@ -123,6 +136,14 @@ constexpr std::array<Engine, 29> kEngines{{
     {"amx_int8", 4, ComputeDtype::int8, false, &needs_amx_int8, &amx_int8_kernels},
     {"amx_int8_emulated", 4, ComputeDtype::int8, true, &always, &amx_int8_emulated_kernels},
 }};
+
+}  // namespace
+
+const TileKernels& sve_kernels() {
+  return cpu_features().sve_bits == 512 ? sve512_kernels() : sve256_kernels();
+}
+
+namespace {
 
 std::string valid_names() {
   std::string s;
