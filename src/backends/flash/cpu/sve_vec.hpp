@@ -32,9 +32,9 @@ struct Vec {
       codes = svorr_u32_x(all(), codes, svlsl_n_u32_x(all(), bits(1), 16));
     } else {
       codes = svorr_u32_x(all(), codes, svlsl_n_u32_x(all(), bits(1), 8));
-      codes = svorr_u32_x(all(), codes,
-                          svorr_u32_x(all(), svlsl_n_u32_x(all(), bits(2), 16),
-                                      svlsl_n_u32_x(all(), bits(3), 24)));
+      codes = svorr_u32_x(
+          all(), codes,
+          svorr_u32_x(all(), svlsl_n_u32_x(all(), bits(2), 16), svlsl_n_u32_x(all(), bits(3), 24)));
     }
     svst1_u32(all(), p, codes);
   }
