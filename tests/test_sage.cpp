@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -359,6 +361,39 @@ TEST(Sage, AutoPvDtypeIsTheMeasuredChoice) {
     ++checked;
   }
   EXPECT_GE(checked, 5);  // every twin runs anywhere
+}
+
+// The AArch64 engines' emulated twins give portable_int8's outputs and LSE bit for bit with
+// every P.V (auto and f32: the portable f32 one; int16 and int8: the same codes, whose integer
+// products are summed exactly whatever the grouping): their logits are every int8 engine's, and
+// their softmax is the portable one. GQA, a causal mask, odd sizes and a non-finite K row.
+TEST(Sage, ArmTwinsGivePortableInt8sBits) {
+  const i64 s = 97, hq = 4, hkv = 2;
+  for (const i64 d : {64, 37}) {
+    const Tensor q = random_tensor({1, s, hq, d}, DType::F32, 71),
+                 k = random_tensor({1, s, hkv, d}, DType::F32, 72),
+                 v = random_tensor({1, s, hkv, d}, DType::F32, 73);
+    k.data_as<float>()[(5 * hkv + 1) * d + 3] = std::numeric_limits<float>::quiet_NaN();
+    for (const char* pv : {"auto", "f32", "int16", "int8"}) {
+      const auto run = [&](const std::string& isa) {
+        AttentionConfig c = sage_config(hq, hkv, d, isa, /*causal=*/true);
+        c.backend_options["pv_dtype"] = std::string(pv);
+        const ForwardResult r = Attention(c).forward(q.view(), k.view(), v.view(), {}, true);
+        std::vector<std::uint32_t> bits;
+        for (const TensorView t : {r.out.view(), r.lse->view()})
+          for (const double x : testing::to_vector(t)) {
+            const float f = static_cast<float>(x);
+            std::uint32_t b;
+            std::memcpy(&b, &f, sizeof(b));
+            bits.push_back(std::isnan(f) ? 0x7fc00000u : b);
+          }
+        return bits;
+      };
+      const std::vector<std::uint32_t> portable = run("portable_int8");
+      for (const char* twin : {"neon_dotprod_emulated", "neon_i8mm_emulated"})
+        EXPECT_EQ(run(twin), portable) << twin << " d " << d << " pv_dtype " << pv;
+    }
+  }
 }
 
 // pv_dtype int16 (P and V as 12- and 13-bit codes in int16 pairs, avx512_vnni's auto): on every

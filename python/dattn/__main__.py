@@ -125,7 +125,8 @@ def format_text(data: dict) -> str:
                 text += f" ({peak['isa']})"
             if kind in ("int8_dot", "int16_dot"):
                 text += f" ({peak[kind + '_isa']})"
-            names = [e["name"] for e in data["engines"] if e["peak_kind"] == kind]
+            names = [e["name"] for e in data["engines"]
+                     if e["peak_kind"] == kind and e["available"]]  # the ones this CPU runs
             text += ": " + ("no engine uses it yet" if not names else
                             ("engine " if len(names) == 1 else "engines ") + ", ".join(names))
         label("peak GFLOP/s" if n == 0 else "", text)

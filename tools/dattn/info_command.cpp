@@ -197,14 +197,15 @@ void print_text(std::ostream& os, const json& info) {
                        << " thread(s) timed together over one interval, at most the "
                        << info["peak_gflops"]["affinity_cpus"].get<int>()
                        << " CPU(s) this process may run on\n";
-  // One line per kind of peak: the rate (or "none" and why) and the engines held to it, e.g.
-  //   peak GFLOP/s  204.1 f32 FMA (avx2+fma): engines portable, avx2, avx512
+  // One line per kind of peak: the rate (or "none" and why) and the engines this CPU runs that
+  // are held to it, e.g.
+  //   peak GFLOP/s  204.1 f32 FMA (avx2+fma): engines portable, avx2
   //                 none bf16 dot (vdpbf16ps): this CPU lacks AVX512-BF16 (vdpbf16ps)
   const json& peak = info["peak_gflops"];
   const auto engines_of = [&info](const std::string& kind) {
     std::string names;
-    for (const json& e : info["engines"])
-      if (e["peak_kind"] == kind)
+    for (const json& e : info["engines"])  // the ones this CPU runs
+      if (e["peak_kind"] == kind && e["available"].get<bool>())
         names += (names.empty() ? "" : ", ") + e["name"].get<std::string>();
     return names;
   };

@@ -267,7 +267,8 @@ void add_measure_options(CLI::App& command, MeasureOptions& options) {
   command
       .add_option("--pv-dtype", options.pv_dtype,
                   "SAGE backend option pv_dtype: auto (the default: int16 on avx512_vnni, "
-                  "avx_vnni and avx2_int8, bf16 tiles on amx_int8, f32 on portable_int8), bf16, "
+                  "avx_vnni and avx2_int8, bf16 tiles on amx_int8, f32 on portable_int8 and the "
+                  "AArch64 engines), bf16, "
                   "f32, int16 (12- and 13-bit codes in "
                   "16-bit integer lanes: more accurate than bf16), or int8 (P and V as 8-bit "
                   "codes: fastest, least accurate); an error with the other backends")

@@ -1,9 +1,9 @@
 // The portable SAGE engines: portable_int8 (the engine of a CPU without AVX2) and the emulated
-// twins of avx2_int8, avx_vnni, avx512_vnni, neon_dotprod and neon_i8mm (int8_impl.hpp's layouts
-// and blocking with the instructions computed in portable C++, int8_emulated_ops.hpp), which the
-// tests run on every machine. Their softmax and row conversions are the portable f32 ones; P.V is
-// portable f32, or the emulated bf16 dot for the avx512_vnni twin (as its real twin on an
-// AVX512-BF16 CPU).
+// twins of avx2_int8, avx_vnni and avx512_vnni (int8_impl.hpp's layouts and blocking with the
+// instructions computed in portable C++, int8_emulated_ops.hpp), which the tests run on every
+// machine. Their softmax and row conversions are the portable f32 ones; P.V is portable f32,
+// or the emulated bf16 dot for the avx512_vnni twin (as its real twin on an AVX512-BF16 CPU).
+// The AArch64 engines' twins: kernels_int8_neon_emulated.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -27,10 +27,6 @@ namespace int8_emulated_impl {
 using Avx2Int8 = EmulatedInt8Ops<8, 4, false, 6, 2>;
 using AvxVnni = EmulatedInt8Ops<8, 4, true, 6>;
 using Avx512Vnni = EmulatedInt8Ops<16, 4, true, 8>;
-// The AArch64 engines' (kernels_int8_neon.cpp): SDOT's signed bytes with P.V's codes in int16
-// pairs, USDOT's unsigned-by-signed bytes, 4 lanes.
-using NeonDotprod = EmulatedInt8Ops<4, 4, false, 8, 2>;
-using NeonI8mm = EmulatedInt8Ops<4, 4, true, 8>;
 // The 16-bit integer-lane twins: int16 pairs for Q.K^T and P.V, exact channels (int8_impl.hpp).
 template <int Lanes, int Keys>
 struct EmulatedInt16Ops : EmulatedInt8Ops<Lanes, 2, false, Keys> {
@@ -141,31 +137,6 @@ const TileKernels& avx512_vnni_emulated_kernels() {
 }
 const TileKernels& avx512_vnni_emulated_f32_pv_kernels() {
   static const TileKernels k = make<Avx512Vnni, &portable_kernels>("avx512_vnni_emulated");
-  return k;
-}
-
-const TileKernels& neon_dotprod_emulated_kernels() {
-  static const TileKernels k = make<NeonDotprod, &portable_kernels>("neon_dotprod_emulated");
-  return k;
-}
-const TileKernels& neon_i8mm_emulated_kernels() {
-  static const TileKernels k = make<NeonI8mm, &portable_kernels>("neon_i8mm_emulated");
-  return k;
-}
-const TileKernels& neon_dotprod_emulated_pv8_kernels() {
-  static const TileKernels k = make_pv8<NeonDotprod>("neon_dotprod_emulated");
-  return k;
-}
-const TileKernels& neon_i8mm_emulated_pv8_kernels() {
-  static const TileKernels k = make_pv8<NeonI8mm>("neon_i8mm_emulated");
-  return k;
-}
-const TileKernels& neon_dotprod_emulated_pv16_kernels() {
-  static const TileKernels k = make_pv16<NeonDotprod>("neon_dotprod_emulated");
-  return k;
-}
-const TileKernels& neon_i8mm_emulated_pv16_kernels() {
-  static const TileKernels k = make_pv16<NeonI8mm>("neon_i8mm_emulated");
   return k;
 }
 
