@@ -6,9 +6,9 @@
 // - neon_i8mm (Armv8.6's I8MM: Graviton 3 and 4, Grace, Axion): USDOT, four unsigned-by-signed
 //   byte products per lane (queries offset by 128, as x86's vpdpbusd), and P.V's 8-bit codes on
 //   USDOT too (pv_dtype int8: four products per lane where FMLA makes one).
-// Integers are exact, so the emulated twins (kernels_int8_emulated.cpp: the same W, G, offset and
-// blocking in portable C++) give these engines' bits; only the twins run where the CPU lacks the
-// instructions. P.V by default is the neon engine's f32 FMLA (pv_dtype auto and f32): NEON's
+// Integers are exact, so the emulated twins (kernels_int8_neon_emulated.cpp: the same W, G, offset
+// and blocking in portable C++) give these engines' bits; only the twins run where the CPU lacks
+// the instructions. P.V by default is the neon engine's f32 FMLA (pv_dtype auto and f32): NEON's
 // 16-bit integer multiply-adds (SMLAL) make four products per instruction as FMLA does, so int16
 // lanes buy no speed there; pv_dtype int16 and int8 run the integer P.V all the same. The
 // softmax and row conversions are neon's.
