@@ -32,7 +32,8 @@ F32_STEPS = (("Q.K^T", ("qk", "qk_rows", "qk_keys")), ("P.V", ("pv", "pv_chunk",
 INT8_STEPS = (("Q.K^T", ("int8_qk", "int8_qk_keys")),)
 ENGINES = {
     "neon": ("neon", "neon_impl", r"^fmla\b", 4, F32_STEPS),
-    # The sve engine's two builds: FMLA on 8 and 16 f32 lanes.
+    # The sve engine's builds: FMLA on 4, 8 and 16 f32 lanes.
+    "sve (128-bit)": ("sve128", "sve128_impl", r"^fmla\b", 4, F32_STEPS),
     "sve (256-bit)": ("sve256", "sve256_impl", r"^fmla\b", 8, F32_STEPS),
     "sve (512-bit)": ("sve512", "sve512_impl", r"^fmla\b", 16, F32_STEPS),
     # BFDOT: 4 f32 lanes of 2 bf16 products.
@@ -55,7 +56,8 @@ KERNELS = [(engine, step, tuple(f"dattn::flash::{ns}::{f}<" for f in functions))
 MODELS = {
     "neon": [("neoverse-n1", "aarch64", 2), ("neoverse-v1", "aarch64", 4),
              ("neoverse-v2", "aarch64", 4)],
-    # SVE's FMLA: Neoverse V1 2 x 256-bit; A64FX 2 x 512-bit.
+    # SVE's FMLA: Neoverse V2 4 x 128-bit; V1 2 x 256-bit; A64FX 2 x 512-bit.
+    "sve (128-bit)": [("neoverse-v2", "aarch64", 4)],
     "sve (256-bit)": [("neoverse-v1", "aarch64", 2)],
     "sve (512-bit)": [("a64fx", "aarch64", 2)],
     "neon_bf16": [("neoverse-v1", "aarch64", 4), ("neoverse-v2", "aarch64", 4)],

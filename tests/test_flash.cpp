@@ -713,6 +713,35 @@ TEST(FlashEngines, TheCapDtypeAndComputeDtypePickTheEngine) {
 
 // Without compute_dtype bf16, a bf16 engine serves only calls whose every operand is bf16: bf16
 // Q, K and V with f32 joint rows (or quantized K/V) run on an f32 engine, exactly.
+// The sve engine runs wherever this build has its vector length (128, 256 and 512 bits); it
+// serves automatic f32 calls where its vectors are longer than NEON's, and at 128 bits (the
+// same four lanes) only by name, neon serving the rest. Runs under qemu at each length.
+TEST(FlashEngines, SveServesAutomaticCallsWhereItsVectorsOutgrowNeons) {
+  using flash::ComputeDtype;
+  const flash::Engine& sve = engine("sve");
+  const int bits = cpu_features().sve_bits;
+  if (!cpu_features().sve) {
+    EXPECT_TRUE(sve.unavailable().has_value());
+    GTEST_SKIP() << "this CPU lacks SVE";
+  }
+  EXPECT_EQ(sve.available(), bits == 128 || bits == 256 || bits == 512) << bits;
+  if (!sve.available()) {
+    EXPECT_NE(sve.unavailable()->find(std::to_string(bits) + " bits"), std::string::npos)
+        << *sve.unavailable();
+    GTEST_SKIP() << *sve.unavailable();
+  }
+  EXPECT_EQ(&flash::select_engine(&sve, DType::F32, ComputeDtype::f32), &sve);
+  EXPECT_EQ(&flash::select_engine(&sve, DType::BF16, ComputeDtype::f32), &sve);
+  for (const DType dt : {DType::F32, DType::F16}) {
+    const flash::Engine& chosen = flash::select_engine(nullptr, dt, ComputeDtype::f32);
+    EXPECT_EQ(chosen.name, bits > 128 ? "sve" : "neon") << bits << " bits, " << dtype_name(dt);
+  }
+  // A cap above sve (neon_bf16, rank 3) on f32 inputs at 128 bits still comes down to neon.
+  const flash::Engine& above = flash::engine_named("neon_bf16_emulated", "isa");
+  EXPECT_EQ(flash::select_engine(&above, DType::F32, ComputeDtype::f32).name,
+            bits > 128 ? "sve" : "neon");
+}
+
 TEST(FlashEngines, Bf16EnginesServeAllBf16OperandsOnly) {
   const auto q = testing::random_tensor({1, 30, 2, 32}, DType::BF16, 1),
              k = testing::random_tensor({1, 30, 2, 32}, DType::BF16, 2),

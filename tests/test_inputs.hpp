@@ -7,10 +7,12 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dattn/attention.hpp"
@@ -32,6 +34,15 @@ inline constexpr bool kSanitized = false;
 #else
 inline constexpr bool kSanitized = false;
 #endif
+
+// False where DATTN_TEST_TWINS=0 (make test-aarch64's runs under qemu): the long accuracy loops
+// over every engine then leave the emulated twins out. A twin computes in portable C++, the same
+// code on every architecture, and `make test` runs those loops with the twins natively; the
+// tests that hold a real instruction to its twin name the twin and run regardless.
+inline bool twins_in_engine_loops() {
+  const char* v = std::getenv("DATTN_TEST_TWINS");
+  return v == nullptr || std::string_view(v) != "0";
+}
 
 // A tensor of `shape` filled with N(0, 1) values rounded to `dtype`.
 inline Tensor random_tensor(std::initializer_list<std::int64_t> shape, DType dtype,

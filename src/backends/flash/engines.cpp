@@ -69,16 +69,21 @@ std::optional<std::string> needs_neon() {
   return std::string("this CPU lacks NEON (AArch64's Advanced SIMD)");
 }
 
-// The sve engine is built for 256- and 512-bit vectors (kernels_sve_impl.hpp); at 128 bits NEON
-// has the same lanes and the neon engine serves.
+// The sve engine is built for the vector lengths of the cores that exist: 128 bits (Neoverse
+// V2, N2: Graviton 4, Grace, Axion), 256 (Neoverse V1: Graviton 3) and 512 (A64FX)
+// (kernels_sve_impl.hpp). The architecture allows up to 2048, which the row kernels' padding
+// of keys to 16 (AVX-512's and SVE-512's lanes) does not cover: there neon serves.
+bool sve_length_built(int bits) {
+  return bits == 128 || bits == 256 || bits == 512;
+}
+
 std::optional<std::string> needs_sve() {
   if (needs_neon()) return needs_neon();
   const CpuFeatures& f = cpu_features();
   if (!f.sve) return std::string("this CPU lacks SVE");
-  if (f.sve_bits == 256 || f.sve_bits == 512) return std::nullopt;
+  if (sve_length_built(f.sve_bits)) return std::nullopt;
   return "SVE's vector length here is " + std::to_string(f.sve_bits) +
-         " bits; the sve engine is built for 256 and 512 (at 128 bits the neon engine has the "
-         "same lanes)";
+         " bits; the sve engine is built for 128, 256 and 512 (the neon engine serves)";
 }
 
 std::optional<std::string> needs_neon_dotprod() {
@@ -140,7 +145,16 @@ constexpr std::array<Engine, 30> kEngines{{
 }  // namespace
 
 const TileKernels& sve_kernels() {
-  return cpu_features().sve_bits == 512 ? sve512_kernels() : sve256_kernels();
+  switch (cpu_features().sve_bits) {
+    case 128:
+      return sve128_kernels();
+    case 256:
+      return sve256_kernels();
+    case 512:
+      return sve512_kernels();
+    default:
+      return portable_kernels();  // unavailable (needs_sve): never run
+  }
 }
 
 namespace {
@@ -358,6 +372,9 @@ const Engine& select_engine(const Engine* cap, DType input, ComputeDtype compute
     if ((e.kernels == &avx512_bf16_kernels || e.kernels == &neon_bf16_kernels) && cap == nullptr &&
         !bf16_dot_outruns_fma())
       continue;
+    // At 128 bits SVE has NEON's four lanes and nothing to add for FMLA: neon serves unless sve
+    // is named.
+    if (e.kernels == &sve_kernels && &e != cap && cpu_features().sve_bits <= 128) continue;
     return e;
   }
   return kEngines[0];

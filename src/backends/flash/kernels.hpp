@@ -329,8 +329,10 @@ const TileKernels& avx2_kernels();
 const TileKernels& avx512_kernels();
 // AArch64's Advanced SIMD (NEON): f32 FMLA on 128-bit vectors (the portable kernels elsewhere).
 const TileKernels& neon_kernels();
-// SVE's FMLA at 256- and 512-bit vectors (cpu/kernels_sve_impl.hpp: one build per length; the
-// portable kernels elsewhere), and the sve engine's: the build for this process's length.
+// SVE's FMLA at 128-, 256- and 512-bit vectors (cpu/kernels_sve_impl.hpp: one build per length;
+// the portable kernels elsewhere), and the sve engine's: the build for this process's length
+// (the portable kernels where there is none, the engine then unavailable).
+const TileKernels& sve128_kernels();
 const TileKernels& sve256_kernels();
 const TileKernels& sve512_kernels();
 const TileKernels& sve_kernels();
