@@ -139,7 +139,7 @@ test-cpu-classes: build
 # bits its clean skip (no build; neon serves); cortex-a72 (NEON only), neoverse-n1 (NEON with dot
 # products) and a64fx (SVE without dot products or BF16) the CPU and engine cases, where
 # engines needing what the model lacks skip; max masked to portable the never-silently-slow
-# rule, which fires there.
+# rule, which fires there. Then the Python package on numpy under qemu (AARCH64_PYTHON_RUNS).
 AARCH64_DEBIAN_PACKAGES := g++-aarch64-linux-gnu qemu-user libc6:arm64 libstdc++6:arm64 \
   libgomp1:arm64 libpng-dev:arm64 libpython3-dev:arm64
 AARCH64_ENGINES := (neon|sve)[a-z0-9_]*
@@ -162,6 +162,12 @@ AARCH64_RUNS := \
 # cases that hold the real instructions to them (FlashSteps, Sage's twin cases) run them.
 AARCH64_NOT_RUN := _emulated$(AARCH64_END)
 AARCH64_TOOLCHAIN := $(CURDIR)/cmake/toolchains/aarch64-linux-gnu.cmake
+# The Python package under qemu (tests/python/test_numpy_calls.py: numpy only, no torch): the
+# cross-built extension on Debian's arm64 interpreter (its binary from $(py)-minimal:arm64, its
+# standard library from the multiarch libpython3-dev:arm64 above) with PyPI's aarch64 numpy and
+# pytest at requirements.txt's pins, in AARCH64_PYTHON; "cpu model|DATTN_CPU_FEATURES" each.
+AARCH64_PYTHON := build/aarch64-python
+AARCH64_PYTHON_RUNS := "max|" "cortex-a72|" "max|portable"
 
 test-aarch64:
 	@dpkg --print-foreign-architectures | grep -qx arm64 || { \
@@ -199,6 +205,29 @@ test-aarch64:
 	    -E "$(AARCH64_NOT_RUN)" -j2 --timeout 600 --output-on-failure > $$log 2>&1 || { tail -n 60 $$log; exit 1; }; \
 	  grep -E "tests passed" $$log; \
 	  grep -c "Skipped" $$log | xargs printf '  skipped: %s\n'; \
+	done
+	@py=$$(ls -d /usr/include/aarch64-linux-gnu/python3.* | head -n 1 | xargs basename); \
+	if [ ! -x $(AARCH64_PYTHON)/usr/bin/$$py ] || [ ! -d $(AARCH64_PYTHON)/site/numpy ]; then \
+	  echo "dattn: Debian's arm64 $$py and PyPI's numpy and pytest for it, into $(AARCH64_PYTHON)"; \
+	  rm -rf $(AARCH64_PYTHON) && mkdir -p $(AARCH64_PYTHON)/debs && \
+	  (cd $(AARCH64_PYTHON)/debs && apt-get download -q $$py-minimal:arm64 2>&1 | grep -v "^W: Download is performed unsandboxed") ; \
+	  dpkg -x $(AARCH64_PYTHON)/debs/$$py-minimal_*_arm64.deb $(AARCH64_PYTHON) && \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --target $(AARCH64_PYTHON)/site \
+	    --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux_2_27_aarch64 \
+	    --platform manylinux2014_aarch64 --implementation cp --python-version $${py#python} \
+	    --abi cp$$(echo $${py#python} | tr -d .) -c requirements.txt numpy pytest 2>&1 | \
+	    grep -v "requires\|dependency resolver" || true; \
+	  [ -x $(AARCH64_PYTHON)/usr/bin/$$py ] && [ -d $(AARCH64_PYTHON)/site/numpy ] || \
+	    { echo "dattn: the arm64 interpreter or numpy did not install"; exit 1; }; \
+	fi; \
+	for run in $(AARCH64_PYTHON_RUNS); do \
+	  cpu=$${run%%|*}; mask=$${run#*|}; log=$(AARCH64_PYTHON)/pytest-$$cpu$${mask:+-$$mask}.log; \
+	  echo "dattn: pytest tests/python/test_numpy_calls.py under qemu-aarch64 -cpu $$cpu$${mask:+, DATTN_CPU_FEATURES=$$mask}"; \
+	  DATTN_QEMU_CPU=$$cpu DATTN_CPU_FEATURES=$$mask DATTN_TEST_TWINS=0 PYTHONDONTWRITEBYTECODE=1 \
+	    PYTHONPATH=$(CURDIR)/$(AARCH64_PYTHON)/site:$(CURDIR)/build/aarch64/python \
+	    cmake/toolchains/qemu-aarch64.sh $(AARCH64_PYTHON)/usr/bin/$$py -m pytest --noconftest -q \
+	    -p no:cacheprovider tests/python/test_numpy_calls.py > $$log 2>&1 || { tail -n 60 $$log; exit 1; }; \
+	  tail -n 1 $$log; \
 	done
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer; the ggml operator's
