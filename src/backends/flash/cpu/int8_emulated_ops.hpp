@@ -72,3 +72,21 @@ struct EmulatedInt8Ops {
     }
   }
 };
+
+// A twin's TileKernels (int8_tile_kernels), its softmax and row conversions those of the f32 base
+// `Base` (portable_kernels for every twin but avx512_vnni's, whose real engine takes P.V on the
+// bf16 dot): Q.K^T on I with P.V in f32 (emulated_int8_kernels), or P.V's codes in integers too,
+// 8-bit (emulated_int8_pv8_kernels) or 16-bit (emulated_int8_pv16_kernels), on the portable base.
+template <class I, const TileKernels& (*Base)() = &portable_kernels>
+TileKernels emulated_int8_kernels(std::string_view name) {
+  return int8_tile_kernels(name, Base(), int8_functions<I, Base>());
+}
+template <class I>
+TileKernels emulated_int8_pv8_kernels(std::string_view name) {
+  return int8_tile_kernels(name, portable_kernels(), int8pv_functions<I, &portable_kernels>());
+}
+template <class I>
+TileKernels emulated_int8_pv16_kernels(std::string_view name) {
+  return int8_tile_kernels(name, portable_kernels(),
+                           int8pv_functions<I, &portable_kernels, Pv16<I>>());
+}

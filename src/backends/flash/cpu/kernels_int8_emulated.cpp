@@ -54,89 +54,75 @@ TileKernels int8_tile_kernels(std::string_view engine, const TileKernels& base,
   return k;
 }
 
-namespace {
 using namespace int8_emulated_impl;
-template <class I, const TileKernels& (*Base)()>
-TileKernels make(std::string_view name) {
-  return int8_tile_kernels(name, Base(), int8_functions<I, Base>());
-}
-template <class I>
-TileKernels make_pv8(std::string_view name) {
-  return int8_tile_kernels(name, portable_kernels(), int8pv_functions<I, &portable_kernels>());
-}
-template <class I>
-TileKernels make_pv16(std::string_view name) {
-  return int8_tile_kernels(name, portable_kernels(),
-                           int8pv_functions<I, &portable_kernels, Pv16<I>>());
-}
-}  // namespace
 
 const TileKernels& avx2_int16_emulated_kernels() {
-  static const TileKernels k = make_pv16<Avx2Int16>("avx2_int16_emulated");
+  static const TileKernels k = emulated_int8_pv16_kernels<Avx2Int16>("avx2_int16_emulated");
   return k;
 }
 const TileKernels& avx_vnni_int16_emulated_kernels() {
-  static const TileKernels k = make_pv16<AvxVnniInt16>("avx_vnni_int16_emulated");
+  static const TileKernels k = emulated_int8_pv16_kernels<AvxVnniInt16>("avx_vnni_int16_emulated");
   return k;
 }
 const TileKernels& avx512_vnni_int16_emulated_kernels() {
-  static const TileKernels k = make_pv16<Avx512VnniInt16>("avx512_vnni_int16_emulated");
+  static const TileKernels k =
+      emulated_int8_pv16_kernels<Avx512VnniInt16>("avx512_vnni_int16_emulated");
   return k;
 }
 
 const TileKernels& portable_int8_pv16_kernels() {
-  static const TileKernels k = make_pv16<Avx2Int8>("portable_int8");
+  static const TileKernels k = emulated_int8_pv16_kernels<Avx2Int8>("portable_int8");
   return k;
 }
 const TileKernels& avx2_int8_emulated_pv16_kernels() {
-  static const TileKernels k = make_pv16<Avx2Int8>("avx2_int8_emulated");
+  static const TileKernels k = emulated_int8_pv16_kernels<Avx2Int8>("avx2_int8_emulated");
   return k;
 }
 const TileKernels& avx_vnni_emulated_pv16_kernels() {
-  static const TileKernels k = make_pv16<AvxVnni>("avx_vnni_emulated");
+  static const TileKernels k = emulated_int8_pv16_kernels<AvxVnni>("avx_vnni_emulated");
   return k;
 }
 const TileKernels& avx512_vnni_emulated_pv16_kernels() {
-  static const TileKernels k = make_pv16<Avx512Vnni>("avx512_vnni_emulated");
+  static const TileKernels k = emulated_int8_pv16_kernels<Avx512Vnni>("avx512_vnni_emulated");
   return k;
 }
 
 const TileKernels& portable_int8_pv8_kernels() {
-  static const TileKernels k = make_pv8<Avx2Int8>("portable_int8");
+  static const TileKernels k = emulated_int8_pv8_kernels<Avx2Int8>("portable_int8");
   return k;
 }
 const TileKernels& avx2_int8_emulated_pv8_kernels() {
-  static const TileKernels k = make_pv8<Avx2Int8>("avx2_int8_emulated");
+  static const TileKernels k = emulated_int8_pv8_kernels<Avx2Int8>("avx2_int8_emulated");
   return k;
 }
 const TileKernels& avx_vnni_emulated_pv8_kernels() {
-  static const TileKernels k = make_pv8<AvxVnni>("avx_vnni_emulated");
+  static const TileKernels k = emulated_int8_pv8_kernels<AvxVnni>("avx_vnni_emulated");
   return k;
 }
 const TileKernels& avx512_vnni_emulated_pv8_kernels() {
-  static const TileKernels k = make_pv8<Avx512Vnni>("avx512_vnni_emulated");
+  static const TileKernels k = emulated_int8_pv8_kernels<Avx512Vnni>("avx512_vnni_emulated");
   return k;
 }
 
 const TileKernels& portable_int8_kernels() {
-  static const TileKernels k = make<Avx2Int8, &portable_kernels>("portable_int8");
+  static const TileKernels k = emulated_int8_kernels<Avx2Int8>("portable_int8");
   return k;
 }
 const TileKernels& avx2_int8_emulated_kernels() {
-  static const TileKernels k = make<Avx2Int8, &portable_kernels>("avx2_int8_emulated");
+  static const TileKernels k = emulated_int8_kernels<Avx2Int8>("avx2_int8_emulated");
   return k;
 }
 const TileKernels& avx_vnni_emulated_kernels() {
-  static const TileKernels k = make<AvxVnni, &portable_kernels>("avx_vnni_emulated");
+  static const TileKernels k = emulated_int8_kernels<AvxVnni>("avx_vnni_emulated");
   return k;
 }
 const TileKernels& avx512_vnni_emulated_kernels() {
   static const TileKernels k =
-      make<Avx512Vnni, &avx512_bf16_emulated_kernels>("avx512_vnni_emulated");
+      emulated_int8_kernels<Avx512Vnni, &avx512_bf16_emulated_kernels>("avx512_vnni_emulated");
   return k;
 }
 const TileKernels& avx512_vnni_emulated_f32_pv_kernels() {
-  static const TileKernels k = make<Avx512Vnni, &portable_kernels>("avx512_vnni_emulated");
+  static const TileKernels k = emulated_int8_kernels<Avx512Vnni>("avx512_vnni_emulated");
   return k;
 }
 

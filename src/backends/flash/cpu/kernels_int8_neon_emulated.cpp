@@ -27,45 +27,30 @@ using NeonI8mm = EmulatedInt8Ops<4, 4, true, 8>;
 
 }  // namespace int8_neon_emulated_impl
 
-namespace {
 using namespace int8_neon_emulated_impl;
-template <class I>
-TileKernels make(std::string_view name) {
-  return int8_tile_kernels(name, portable_kernels(), int8_functions<I, &portable_kernels>());
-}
-template <class I>
-TileKernels make_pv8(std::string_view name) {
-  return int8_tile_kernels(name, portable_kernels(), int8pv_functions<I, &portable_kernels>());
-}
-template <class I>
-TileKernels make_pv16(std::string_view name) {
-  return int8_tile_kernels(name, portable_kernels(),
-                           int8pv_functions<I, &portable_kernels, Pv16<I>>());
-}
-}  // namespace
 
 const TileKernels& neon_dotprod_emulated_kernels() {
-  static const TileKernels k = make<NeonDotprod>("neon_dotprod_emulated");
+  static const TileKernels k = emulated_int8_kernels<NeonDotprod>("neon_dotprod_emulated");
   return k;
 }
 const TileKernels& neon_i8mm_emulated_kernels() {
-  static const TileKernels k = make<NeonI8mm>("neon_i8mm_emulated");
+  static const TileKernels k = emulated_int8_kernels<NeonI8mm>("neon_i8mm_emulated");
   return k;
 }
 const TileKernels& neon_dotprod_emulated_pv8_kernels() {
-  static const TileKernels k = make_pv8<NeonDotprod>("neon_dotprod_emulated");
+  static const TileKernels k = emulated_int8_pv8_kernels<NeonDotprod>("neon_dotprod_emulated");
   return k;
 }
 const TileKernels& neon_i8mm_emulated_pv8_kernels() {
-  static const TileKernels k = make_pv8<NeonI8mm>("neon_i8mm_emulated");
+  static const TileKernels k = emulated_int8_pv8_kernels<NeonI8mm>("neon_i8mm_emulated");
   return k;
 }
 const TileKernels& neon_dotprod_emulated_pv16_kernels() {
-  static const TileKernels k = make_pv16<NeonDotprod>("neon_dotprod_emulated");
+  static const TileKernels k = emulated_int8_pv16_kernels<NeonDotprod>("neon_dotprod_emulated");
   return k;
 }
 const TileKernels& neon_i8mm_emulated_pv16_kernels() {
-  static const TileKernels k = make_pv16<NeonI8mm>("neon_i8mm_emulated");
+  static const TileKernels k = emulated_int8_pv16_kernels<NeonI8mm>("neon_i8mm_emulated");
   return k;
 }
 

@@ -6,45 +6,11 @@
 // the largest float, infinity), bf16 and f32 denormal inputs read as zero, denormal results
 // flushed to zero, a NaN result the default NaN. This is not vdpbf16ps's arithmetic
 // (bf16_emulated_ops.hpp: two fused multiply-adds rounded to nearest even), hence a twin of its
-// own. Include inside the engine's namespace after bf16_pairs.hpp.
+// own, on emulated_lanes.hpp's vector. Include inside the engine's namespace after bf16_pairs.hpp.
 
-struct EmulatedNeonBf16Ops {
-  static constexpr int W = 4;
-  struct reg {
-    float v[W];
-  };
-  static reg zero() { return set1(0.0f); }
-  static reg set1(float f) {
-    reg r;
-    for (float& x : r.v) x = f;
-    return r;
-  }
-  static reg load(const float* p) {
-    reg r;
-    for (int i = 0; i < W; ++i) r.v[i] = p[i];
-    return r;
-  }
-  static void store(float* p, const reg& r) {
-    for (int i = 0; i < W; ++i) p[i] = r.v[i];
-  }
-  static reg mul(const reg& a, const reg& b) {
-    reg r;
-    for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i];
-    return r;
-  }
-  static reg fma(const reg& a, const reg& b, const reg& c) {
-    reg r;
-    for (int i = 0; i < W; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
-    return r;
-  }
-  static reg not_finite_to_nan(const reg& a) {
-    reg r;
-    for (int i = 0; i < W; ++i) r.v[i] = std::fma(a.v[i], 0.0f, a.v[i]);
-    return r;
-  }
-  static float flushed(float x) {
-    return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x;
-  }
+#include "backends/flash/cpu/emulated_lanes.hpp"
+
+struct EmulatedNeonBf16Ops : EmulatedLanes<4> {
   // The float that x + err rounds to under round-to-odd with overflow to infinity and denormal
   // results flushed to zero, where x is a finite double and err the exact remainder of a sum
   // (0 for an exact x; |err| at most half x's last place).
@@ -69,8 +35,8 @@ struct EmulatedNeonBf16Ops {
   static float default_nan() { return std::numeric_limits<float>::quiet_NaN(); }
   // a + b (inputs flushed), rounded to odd.
   static float add(float a, float b) {
-    a = flushed(a);
-    b = flushed(b);
+    a = ftz(a);
+    b = ftz(b);
     if (std::isnan(a) || std::isnan(b)) return default_nan();
     if (std::isinf(a) || std::isinf(b)) {
       const float s = a + b;  // inf - inf: NaN
@@ -88,10 +54,6 @@ struct EmulatedNeonBf16Ops {
     if (std::isinf(p) || p == 0.0) return float(p);
     return round_to_odd(p, 0.0);
   }
-  static float daz(std::uint32_t bits16) {
-    if ((bits16 & 0x7f80u) == 0) bits16 &= 0x8000u;
-    return bf16_to_f32(static_cast<std::uint16_t>(bits16));
-  }
   static reg dot(reg acc, const std::uint32_t* pairs, std::uint32_t b) {
     const float b_even = daz(b & 0xffffu), b_odd = daz(b >> 16);
     for (int i = 0; i < W; ++i) {
@@ -100,11 +62,5 @@ struct EmulatedNeonBf16Ops {
       acc.v[i] = add(acc.v[i], sum);
     }
     return acc;
-  }
-  static void pack16_consecutive(const float* src, std::uint32_t* dst) {
-    for (int i = 0; i < 16; ++i) dst[i] = pair(src[2 * i], src[2 * i + 1]);
-  }
-  static void pack16_interleaved(const float* even, const float* odd, std::uint32_t* dst) {
-    for (int i = 0; i < 16; ++i) dst[i] = pair(even[i], odd != nullptr ? odd[i] : 0.0f);
   }
 };
