@@ -132,7 +132,8 @@ test-cpu-classes: build
 # cmake/toolchains/qemu-aarch64.sh): AARCH64_RUNS, each "cpu model|DATTN_CPU_FEATURES|tests".
 # max (SVE at 512 bits) runs every ARM engine's engine and conformance cases against
 # REFERENCE, the CPU-feature, engine-choice and never-silently-slow cases, SAGE's and
-# VIDEO_SPARSE's engine cases (the twins left out, below), FLASH's step cases (BFDOT held to its
+# VIDEO_SPARSE's engine cases (the twins left out, below), SageEngines (SDOT's and USDOT's logits
+# and the NEON quantizers' K tiles held to the twins' bits), FLASH's step cases (BFDOT held to its
 # twin's bits),
 # paged KV and the C ABI; max at 256- and 128-bit SVE the sve engine's cases and conformance
 # again (its other builds; at 128 bits only by name, neon serving automatic calls), at 1024
@@ -148,9 +149,9 @@ AARCH64_ENGINES := (neon|sve)[a-z0-9_]*
 AARCH64_END := ([^a-z0-9_]|$$)
 AARCH64_CPU_CASES := ^(CpuInfo|CpuFeatureMask|SimdShortfall)\.
 AARCH64_RUNS := \
-  "max||$(AARCH64_CPU_CASES)|^FlashEngines\.|/$(AARCH64_ENGINES)$(AARCH64_END)|isa_$(AARCH64_ENGINES)$$|isa_portable$$|VideoSparseKernel\.EveryEngine|^Paged\.|PagedConformance|^Sage\.|^FlashSteps\.|^c_api$$" \
+  "max||$(AARCH64_CPU_CASES)|^FlashEngines\.|/$(AARCH64_ENGINES)$(AARCH64_END)|isa_$(AARCH64_ENGINES)$$|isa_portable$$|VideoSparseKernel\.EveryEngine|^Paged\.|PagedConformance|^Sage\.|^SageEngines\.|^FlashSteps\.|^c_api$$" \
   "cortex-a72||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)" \
-  "neoverse-n1||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)" \
+  "neoverse-n1||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)|^SageEngines\." \
   "max,sve-default-vector-length=32||^FlashEngines\.|FlashEngine\..*/sve$(AARCH64_END)|isa_sve$$|VideoSparseKernel\.EveryEngine" \
   "max,sve-default-vector-length=16||$(AARCH64_CPU_CASES)|^FlashEngines\.|FlashEngine\..*/sve$(AARCH64_END)|isa_sve$$" \
   "max,sve-default-vector-length=128||$(AARCH64_CPU_CASES)|^FlashEngines\.|FlashEngine\..*/sve$(AARCH64_END)" \

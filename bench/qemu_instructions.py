@@ -33,8 +33,9 @@ INSN = re.compile(r"^0x([0-9a-f]+):")
 ROWS, D, HEADS = 333, 64, 1
 
 
-def executed(log: str) -> int:
-    """Instructions executed according to a qemu log of in_asm and exec lines."""
+def executed(log: str, by_function: dict = None) -> int:
+    """Instructions executed according to a qemu log of in_asm and exec lines; with
+    `by_function`, also added up there per symbol (qemu's name of each block's function)."""
     sizes, total, block, first = {}, 0, 0, None
     with open(log, errors="replace") as f:
         for line in f:
@@ -50,11 +51,14 @@ def executed(log: str) -> int:
                 continue
             m = EXEC.match(line)
             if m and not PEAK_LOOPS.search(m.group(2)):
-                total += sizes.get(int(m.group(1), 16), 0)
+                n = sizes.get(int(m.group(1), 16), 0)
+                total += n
+                if by_function is not None:
+                    by_function[m.group(2)] = by_function.get(m.group(2), 0) + n
     return total
 
 
-def count(args, engine: str, kind: str, reps: int) -> int:
+def count(args, engine: str, kind: str, reps: int, by_function: dict = None) -> int:
     backend = ["-b", "SAGE", "--isa", engine] if kind == "sage" else ["-b", "FLASH", "--isa", engine]
     dtype = ["--dtype", "bf16"] if kind == "bf16" else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,7 +68,7 @@ def count(args, engine: str, kind: str, reps: int) -> int:
                "--reps", str(reps), *backend, *dtype]
         subprocess.run(cmd, check=True, capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-        return executed(log)
+        return executed(log, by_function)
 
 
 def main() -> int:
@@ -72,6 +76,8 @@ def main() -> int:
     ap.add_argument("--dattn", required=True, help="the AArch64 build's CLI")
     ap.add_argument("--qemu", default="qemu-aarch64")
     ap.add_argument("--cpu", default="max")
+    ap.add_argument("--by-function", type=int, default=0, metavar="N",
+                    help="also list each engine's N functions that execute the most per call")
     ap.add_argument("engines", nargs="+", help="ENGINE[:bf16|:sage] (bf16 inputs, SAGE)")
     args = ap.parse_args()
     macs = 2 * ROWS * ROWS * D * HEADS  # per call
@@ -81,10 +87,14 @@ def main() -> int:
     print("|---|---|---|---|")
     for spec in args.engines:
         engine, _, kind = spec.partition(":")
-        one, three = count(args, engine, kind, 1), count(args, engine, kind, 3)
+        f1, f3 = {}, {}
+        one, three = count(args, engine, kind, 1, f1), count(args, engine, kind, 3, f3)
         per_call = (three - one) / 2
         inputs = {"bf16": "bf16", "sage": "f32, SAGE"}.get(kind, "f32")
         print(f"| {engine} | {inputs} | {per_call:,.0f} | {per_call / macs:.3f} |", flush=True)
+        calls = {f: (f3.get(f, 0) - f1.get(f, 0)) / 2 for f in f3}
+        for f, n in sorted(calls.items(), key=lambda x: -x[1])[:args.by_function]:
+            print(f"|   {f[:90]} | | {n:,.0f} | {n / macs:.3f} |")
     return 0
 
 

@@ -329,13 +329,18 @@ void int8_pack_q(const float* qt, std::int64_t ldqt, int rows_p, int d, int dv, 
     }
     std::fill(negative + r0, negative + rows_p, 0);
   }
-  // Per row: the largest magnitude (in qs) and whether every element is finite (inv = 0/1).
-  for (int r = r0; r < rows_p; ++r) h->qs[r] = 0.0f, h->inv[r] = 1.0f;
+  // Per row: the largest magnitude (in qs) and whether every element is finite (inv = 0/1), in
+  // loops over contiguous rows without branches or aliasing that the compiler vectorizes (a
+  // branch and possibly aliased stores kept them scalar: 58 instructions an element on NEON).
+  float* __restrict amax = h->qs;
+  float* __restrict finite = h->inv;
+  for (int r = r0; r < rows_p; ++r) amax[r] = 0.0f, finite[r] = 1.0f;
   for (int e = 0; e < coded; ++e) {
-    const float* col = qt + e * ldqt;
+    const float* __restrict col = qt + e * ldqt;
     for (int r = r0; r < rows_p; ++r) {
-      if (!std::isfinite(col[r])) h->inv[r] = 0.0f;
-      h->qs[r] = std::max(h->qs[r], std::fabs(col[r]));
+      const float a = std::fabs(col[r]);
+      finite[r] = a <= std::numeric_limits<float>::max() ? finite[r] : 0.0f;  // inf, NaN: 0
+      amax[r] = std::max(amax[r], a);
     }
   }
   for (int r = r0; r < rows_p; ++r) {

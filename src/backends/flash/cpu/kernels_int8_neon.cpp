@@ -65,6 +65,79 @@ struct NeonInt8Base {
     const float32x4_t kept = vmulq_f32(vld1q_f32(o), vdupq_n_f32(alpha));
     vst1q_f32(o, vfmaq_f32(kept, vcvtq_f32_s32(acc), scale));
   }
+  // int8_impl.hpp's code_of(x * inv) in vectors: FCVTNS rounds to nearest with ties to even (as
+  // std::nearbyint in the default mode) and gives 0 for NaN; clamped to [-127, 127].
+  static int32x4_t codes4(float32x4_t x, float32x4_t inv) {
+    const int32x4_t c = vcvtnq_s32_f32(vmulq_f32(x, inv));
+    return vminq_s32(vmaxq_s32(c, vdupq_n_s32(-127)), vdupq_n_s32(127));
+  }
+  // int8_pack_k's work for one key: its scale (quant_of_row) into *ks, its codes as bytes into
+  // groups (zeros past d up to the last group); returns the codes' sum.
+  static std::int32_t pack_key_row(const float* x, int d, std::uint32_t* groups, float* ks) {
+    const float32x4_t inf = vdupq_n_f32(std::numeric_limits<float>::infinity());
+    float32x4_t mx = vdupq_n_f32(0.0f);
+    uint32x4_t bad = vdupq_n_u32(0);
+    int e = 0;
+    for (; e + 4 <= d; e += 4) {
+      const float32x4_t a = vabsq_f32(vld1q_f32(x + e));
+      bad = vorrq_u32(bad, vmvnq_u32(vcltq_f32(a, inf)));  // inf or NaN
+      mx = vmaxq_f32(mx, a);
+    }
+    bool finite = vmaxvq_u32(bad) == 0;
+    float amax = finite ? vmaxvq_f32(mx) : 0.0f;
+    for (; e < d; ++e) {
+      finite = finite && std::isfinite(x[e]);
+      amax = std::max(amax, std::fabs(x[e]));
+    }
+    const Quant qn = quant_of(finite ? amax : 0.0f, finite);
+    *ks = qn.scale;
+    const float32x4_t inv = vdupq_n_f32(qn.inv);
+    auto* bytes = reinterpret_cast<std::int8_t*>(groups);
+    int32x4_t sum = vdupq_n_s32(0);
+    e = 0;
+    for (; e + 16 <= d; e += 16) {
+      int32x4_t c[4];
+      for (int t = 0; t < 4; ++t) {
+        c[t] = codes4(vld1q_f32(x + e + 4 * t), inv);
+        sum = vaddq_s32(sum, c[t]);
+      }
+      const int16x8_t lo = vcombine_s16(vmovn_s32(c[0]), vmovn_s32(c[1]));
+      const int16x8_t hi = vcombine_s16(vmovn_s32(c[2]), vmovn_s32(c[3]));
+      vst1q_s8(bytes + e, vcombine_s8(vmovn_s16(lo), vmovn_s16(hi)));
+    }
+    std::int32_t total = vaddvq_s32(sum);
+    for (; e < (d + 3) / 4 * 4; ++e) {
+      const int code = e < d ? code_of(x[e], qn.inv) : 0;
+      bytes[e] = static_cast<std::int8_t>(code);
+      total += code;
+    }
+    return total;
+  }
+  // int8_pack_q's groups for whole vectors of 4 rows: the codes of rows r (inv[r] their
+  // multipliers; offset by 128 for USDOT's unsigned queries), four elements to a group, zeros
+  // (128 offset) past d, into q[g * ldg + r]; returns the first row not done.
+  template <bool OffsetQ>
+  static int pack_query_rows_of(const float* qt, std::int64_t ldqt, int rows_p, int d,
+                                const float* inv, std::uint32_t* q, int ldg) {
+    const int dg = (d + 3) / 4;
+    const uint32x4_t low = vdupq_n_u32(0xff);
+    const int32x4_t offset = vdupq_n_s32(OffsetQ ? 128 : 0);
+    int r = 0;
+    for (; r + 4 <= rows_p; r += 4) {
+      const float32x4_t vi = vld1q_f32(inv + r);
+      for (int g = 0; g < dg; ++g) {
+        uint32x4_t w = vdupq_n_u32(0);
+        for (int t = 0; t < 4; ++t) {
+          const int e = 4 * g + t;
+          const int32x4_t c = e < d ? codes4(vld1q_f32(qt + e * ldqt + r), vi) : vdupq_n_s32(0);
+          const uint32x4_t b = vandq_u32(vreinterpretq_u32_s32(vaddq_s32(c, offset)), low);
+          w = vorrq_u32(w, vshlq_u32(b, vdupq_n_s32(8 * t)));
+        }
+        vst1q_u32(q + std::int64_t(g) * ldg + r, w);
+      }
+    }
+    return r;
+  }
   static void logits(float* st, ireg acc, std::int32_t corr, const float* qs, float ks, float kb,
                      const float* rt) {
     const int32x4_t n = vsubq_s32(acc, vdupq_n_s32(corr));  // modulo 2^32, as the twins
@@ -79,6 +152,10 @@ struct NeonInt8Base {
 struct NeonDotprod : NeonInt8Base {
   static constexpr bool kOffsetQ = false;
   static constexpr int kPvGroup = 2;
+  static int pack_query_rows(const float* qt, std::int64_t ldqt, int rows_p, int d,
+                             const float* inv, std::uint32_t* q, int ldg) {
+    return pack_query_rows_of<false>(qt, ldqt, rows_p, d, inv, q, ldg);
+  }
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     return vdotq_s32(acc, vreinterpretq_s8_s32(q), broadcast_s8(k));
   }
@@ -91,6 +168,10 @@ struct NeonDotprod : NeonInt8Base {
 
 struct NeonI8mm : NeonInt8Base {
   static constexpr bool kOffsetQ = true;
+  static int pack_query_rows(const float* qt, std::int64_t ldqt, int rows_p, int d,
+                             const float* inv, std::uint32_t* q, int ldg) {
+    return pack_query_rows_of<true>(qt, ldqt, rows_p, d, inv, q, ldg);
+  }
   static ireg dot(ireg acc, ireg q, std::uint32_t k) {
     return vusdotq_s32(acc, vreinterpretq_u8_s32(q), broadcast_s8(k));
   }
