@@ -12,6 +12,14 @@ struct Vec {
   static reg load(const float* p) { return vld1q_f32(p); }
   static void store(float* p, reg r) { vst1q_f32(p, r); }
   static reg fma(reg a, reg b, reg c) { return vfmaq_f32(c, a, b); }
+  // tile_kernels_impl.hpp's scalar_lane: LDR into lane 0 (in assembly, which GCC cannot turn into
+  // a broadcasting LD1R) and FMLA by element.
+  static reg load_lane0(const float* p) {
+    reg r;
+    __asm__("ldr %s0, %1" : "=w"(r) : "m"(*p));
+    return r;
+  }
+  static reg fma_lane0(reg s, reg b, reg c) { return vfmaq_laneq_f32(c, b, s, 0); }
   static reg mul(reg a, reg b) { return vmulq_f32(a, b); }
   static reg add(reg a, reg b) { return vaddq_f32(a, b); }
   static reg sub(reg a, reg b) { return vsubq_f32(a, b); }

@@ -34,6 +34,19 @@ inline void for_count(int n, F&& f) {
   }
 }
 
+// Whether V multiplies by one scalar operand without broadcasting it (neon_vec.hpp): load_lane0(p)
+// puts *p in lane 0 (the other lanes unspecified) and fma_lane0(s, b, c) = c + b * s[0] (FMLA by
+// element), the same fused operation as fma(set1(*p), b, c). Without it GCC broadcast one key of
+// the six with LD1R, which also takes a vector-pipe uop on Neoverse V1/V2 beside the 18 FMLAs
+// (93% of FMLA's rate under llvm-mca, against 99% for SVE's LD1RW, a load alone).
+template <class V>
+constexpr bool scalar_lane() {
+  return requires(const float* p, typename V::reg r) {
+    V::load_lane0(p);
+    V::fma_lane0(r, r, r);
+  };
+}
+
 // ST[j][r0..r0+NV W) for MK keys starting at `k`.
 template <class V, int MK, int NV>
 inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int64_t ldqt, float* st,
@@ -67,9 +80,15 @@ inline void qk_keys(const float* k, std::int64_t ldk, const float* qt, std::int6
       for (int v = 0; v < NV; ++v) q[v] = V::load(qt + e * ldqt + v * V::W);
 #pragma GCC unroll 8
       for (int m = 0; m < MK; ++m) {
-        const R kb = V::set1(k[m * ldk + e]);
+        if constexpr (scalar_lane<V>()) {
+          const R kb = V::load_lane0(k + m * ldk + e);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[m][v] = V::fma(kb, q[v], acc[m][v]);
+          for (int v = 0; v < NV; ++v) acc[m][v] = V::fma_lane0(kb, q[v], acc[m][v]);
+        } else {
+          const R kb = V::set1(k[m * ldk + e]);
+#pragma GCC unroll 4
+          for (int v = 0; v < NV; ++v) acc[m][v] = V::fma(kb, q[v], acc[m][v]);
+        }
       }
     }
   }
@@ -336,9 +355,15 @@ inline void pv_rows(const float* pt, std::int64_t ldpt, const float* v, std::int
     for (int c = 0; c < NV; ++c) vv[c] = V::load(vj + c * V::W);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const R w = V::set1(pj[r]);
+      if constexpr (scalar_lane<V>()) {
+        const R w = V::load_lane0(pj + r);
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[r][c] = V::fma(w, vv[c], acc[r][c]);
+        for (int c = 0; c < NV; ++c) acc[r][c] = V::fma_lane0(w, vv[c], acc[r][c]);
+      } else {
+        const R w = V::set1(pj[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) acc[r][c] = V::fma(w, vv[c], acc[r][c]);
+      }
     }
   }
 #pragma GCC unroll 8
