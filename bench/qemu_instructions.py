@@ -12,6 +12,9 @@ out by symbol). Multiply-adds per call: 2 x rows x keys x D x heads (Q.K^T and P
 
     python3 bench/qemu_instructions.py --dattn build/aarch64/tools/dattn/dattn \\
         neon sve neon_bf16:bf16 neon_dotprod:sage neon_i8mm:sage
+
+`--by-function N` also lists each engine's N functions that execute the most per call (qemu's
+name of each block's function, mangled), e.g. where SAGE's quantizing went.
 """
 
 from __future__ import annotations
