@@ -1,9 +1,10 @@
-// The sve engine at one vector length (DATTN_SVE_BITS), included by kernels_sve256.cpp and
-// kernels_sve512.cpp: the shared tile kernels over sve_vec.hpp's vectors of W = bits / 32 lanes,
-// micro-tiles of 6 keys x 3W query rows and 6 rows x 3W columns (18 accumulators of SVE's 32
-// registers, as neon's), FMLA throughout. The file is compiled with -msve-vector-bits=BITS
-// (CMakeLists.txt), its kernels inside an SVE target region: they run only where the engine
-// table finds SVE at exactly this length (kernels_sve.cpp picks the build).
+// The sve engine at one vector length (DATTN_SVE_BITS), included by kernels_sve128.cpp,
+// kernels_sve256.cpp and kernels_sve512.cpp: the shared tile kernels over sve_vec.hpp's vectors
+// of W = bits / 32 lanes, micro-tiles of 6 keys x 3W query rows and 6 rows x 3W columns (18
+// accumulators of SVE's 32 registers, as neon's), FMLA throughout. The file is compiled with
+// -msve-vector-bits=BITS (CMakeLists.txt), its kernels inside an SVE target region: they run
+// only where the engine table finds SVE at exactly this length (engines.cpp's sve_kernels()
+// picks the build).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // The f32 vector type of the sve engine (kernels_sve_impl.hpp): SVE at one vector length,
-// DATTN_SVE_BITS (256 or 512: the file is compiled with -msve-vector-bits at that length, so
+// DATTN_SVE_BITS (128, 256 or 512: the file is compiled with -msve-vector-bits at that length, so
 // that its registers have a size and the shared tile kernels' micro-tiles of W = bits / 32
 // lanes are compile-time constants), the same operations in the same order as neon_vec.hpp,
 // hence the same bits per lane. Include only inside the engine's namespace and SVE target
