@@ -168,7 +168,7 @@ AARCH64_TOOLCHAIN := $(CURDIR)/cmake/toolchains/aarch64-linux-gnu.cmake
 # standard library from the multiarch libpython3-dev:arm64 above) with PyPI's aarch64 numpy and
 # pytest at requirements.txt's pins, in AARCH64_PYTHON; "cpu model|DATTN_CPU_FEATURES" each.
 AARCH64_PYTHON := build/aarch64-python
-AARCH64_PYTHON_RUNS := "max|" "cortex-a72|" "max|portable"
+AARCH64_PYTHON_RUNS := "max|" "cortex-a72|" "neoverse-n1|" "max|portable"
 
 test-aarch64:
 	@dpkg --print-foreign-architectures | grep -qx arm64 || { \
@@ -211,7 +211,11 @@ test-aarch64:
 	if [ ! -x $(AARCH64_PYTHON)/usr/bin/$$py ] || [ ! -d $(AARCH64_PYTHON)/site/numpy ]; then \
 	  echo "dattn: Debian's arm64 $$py and PyPI's numpy and pytest for it, into $(AARCH64_PYTHON)"; \
 	  rm -rf $(AARCH64_PYTHON) && mkdir -p $(AARCH64_PYTHON)/debs && \
-	  (cd $(AARCH64_PYTHON)/debs && apt-get download -q $$py-minimal:arm64 2>&1 | grep -v "^W: Download is performed unsandboxed") ; \
+	  sudo=""; [ "$$(id -u)" -ne 0 ] && sudo=sudo; \
+	  (cd $(AARCH64_PYTHON)/debs && { apt-get download -q $$py-minimal:arm64 || \
+	    { echo "dattn: apt-get update (the package lists lack $$py-minimal:arm64)"; \
+	      $$sudo apt-get update -qq && apt-get download -q $$py-minimal:arm64; }; } 2>&1 | \
+	    grep -v "^W: Download is performed unsandboxed"); \
 	  dpkg -x $(AARCH64_PYTHON)/debs/$$py-minimal_*_arm64.deb $(AARCH64_PYTHON) && \
 	  $(PY) -m pip install --quiet --disable-pip-version-check --target $(AARCH64_PYTHON)/site \
 	    --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux_2_27_aarch64 \
