@@ -134,8 +134,7 @@ test-cpu-classes: build
 # REFERENCE, the CPU-feature, engine-choice and never-silently-slow cases, SAGE's and
 # VIDEO_SPARSE's engine cases (the twins left out, below), SageEngines (SDOT's and USDOT's logits
 # and the NEON quantizers' K tiles held to the twins' bits), FLASH's step cases (BFDOT held to its
-# twin's bits),
-# paged KV and the C ABI; max at 256- and 128-bit SVE the sve engine's cases and conformance
+# twin's bits), paged KV and the C ABI; max at 256- and 128-bit SVE the sve engine's cases and conformance
 # again (its other builds; at 128 bits only by name, neon serving automatic calls), at 1024
 # bits its clean skip (no build; neon serves); cortex-a72 (NEON only), neoverse-n1 (NEON with dot
 # products) and a64fx (SVE without dot products or BF16) the CPU and engine cases, where
