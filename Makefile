@@ -147,8 +147,13 @@ AARCH64_ENGINES := (neon|sve)[a-z0-9_]*
 # "Engines/FlashEngine.X/neon  # GetParam() = ..." (its value after the name).
 AARCH64_END := ([^a-z0-9_]|$$)
 AARCH64_CPU_CASES := ^(CpuInfo|CpuFeatureMask|SimdShortfall)\.
+# SageInputs' cases of what masks hide and padding holds (garbage in masked keys, padded query
+# rows and padded joint text changes no other row's bits), on the real ARM SAGE engines; its
+# accuracy case on two token populations takes over 6 minutes under qemu and runs natively only
+# (make test, on the twins whose logits SageEngines holds the ARM engines to).
+AARCH64_SAGE_GARBAGE := ^SageInputs\.(MaskedKeysChangeNothing|PaddedRowsChangeNothing|PaddedJointTextChangesNothing|NonFiniteRowsStayWhereTheyAre|HugeQueriesDoNotOverflow)$$
 AARCH64_RUNS := \
-  "max||$(AARCH64_CPU_CASES)|^FlashEngines\.|/$(AARCH64_ENGINES)$(AARCH64_END)|isa_$(AARCH64_ENGINES)$$|isa_portable$$|VideoSparseKernel\.EveryEngine|^Paged\.|PagedConformance|^Sage\.|^SageEngines\.|^FlashSteps\.|^c_api$$" \
+  "max||$(AARCH64_CPU_CASES)|^FlashEngines\.|/$(AARCH64_ENGINES)$(AARCH64_END)|isa_$(AARCH64_ENGINES)$$|isa_portable$$|VideoSparseKernel\.EveryEngine|^Paged\.|PagedConformance|^Sage\.|^SageEngines\.|$(AARCH64_SAGE_GARBAGE)|^FlashSteps\.|^c_api$$" \
   "cortex-a72||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)" \
   "neoverse-n1||$(AARCH64_CPU_CASES)|FlashEngine\..*/$(AARCH64_ENGINES)$(AARCH64_END)|^SageEngines\." \
   "max,sve-default-vector-length=32||^FlashEngines\.|FlashEngine\..*/sve$(AARCH64_END)|isa_sve$$|VideoSparseKernel\.EveryEngine" \
